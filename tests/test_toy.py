@@ -1,0 +1,188 @@
+"""toy.py: the offline model, tokenizer and tasks every other test stands on."""
+
+import filecmp
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import toy
+from conftest import REPO
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def expression_of(prompt: str) -> str:
+    match = re.search(r"\d+(?:[+-]\d+)+", prompt)
+    assert match, prompt
+    return match.group(0)
+
+
+def evaluate_expression(expr: str) -> int:
+    # Left to right, + and - only: exactly what the task promises.
+    tokens = re.findall(r"[+-]|\d+", expr)
+    value = int(tokens[0])
+    for op, number in zip(tokens[1::2], tokens[2::2]):
+        value = value + int(number) if op == "+" else value - int(number)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+def test_data_is_deterministic_per_seed(tmp_path):
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    toy.write_data(a, seed=3, num_sft=50, num_preference=20, num_rlvr=50, num_eval=10)
+    toy.write_data(b, seed=3, num_sft=50, num_preference=20, num_rlvr=50, num_eval=10)
+    toy.write_data(c, seed=4, num_sft=50, num_preference=20, num_rlvr=50, num_eval=10)
+    names = ["sft.jsonl", "preference.jsonl", "rlvr.jsonl", "eval.jsonl"]
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert match == names and not mismatch and not errors
+    _, mismatch, _ = filecmp.cmpfiles(a, c, names, shallow=False)
+    assert mismatch == names
+
+
+def test_every_ground_truth_answers_its_prompt(toy_data_dir):
+    for split in ("rlvr", "eval"):
+        rows = read_jsonl(os.path.join(toy_data_dir, f"{split}.jsonl"))
+        assert rows
+        for row in rows:
+            assert row["verifier"] == "math"
+            assert [m["role"] for m in row["messages"]] == ["user"]
+            assert row["ground_truth"] == str(evaluate_expression(expression_of(row["messages"][0]["content"])))
+
+
+def test_sft_traces_are_correct_and_preferences_contrast(toy_data_dir):
+    step = re.compile(r"^(\d+)([+-])(\d+)=(-?\d+)$")
+    for row in read_jsonl(os.path.join(toy_data_dir, "sft.jsonl")):
+        user, assistant = row["messages"]
+        answer = evaluate_expression(expression_of(user["content"]))
+        think, boxed = re.fullmatch(r"<think>(.*)</think>\n\\boxed\{(-?\d+)\}", assistant["content"], re.S).groups()
+        assert int(boxed) == answer
+        for line in think.split("\n"):
+            a, op, b, c = step.match(line).groups()
+            assert int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    for row in read_jsonl(os.path.join(toy_data_dir, "preference.jsonl")):
+        answer = evaluate_expression(expression_of(row["chosen"][0]["content"]))
+        assert row["chosen"][0] == row["rejected"][0]
+        assert row["chosen"][1]["content"].endswith("\\boxed{%d}" % answer)
+        assert not row["rejected"][1]["content"].endswith("\\boxed{%d}" % answer)
+
+
+def test_eval_split_is_held_out(toy_data_dir):
+    def expressions(split, key="messages"):
+        return {expression_of(r[key][0]["content"]) for r in read_jsonl(os.path.join(toy_data_dir, f"{split}.jsonl"))}
+    held_out = expressions("eval")
+    for split in ("sft", "rlvr"):
+        assert not held_out & expressions(split)
+    assert not held_out & expressions("preference", key="chosen")
+
+
+def test_difficulty_is_adjustable():
+    easy = toy.generate_data(seed=0, num_sft=30, num_preference=0, num_rlvr=0, num_eval=0, max_operand=5, max_operands=2)
+    hard = toy.generate_data(seed=0, num_sft=200, num_preference=0, num_rlvr=0, num_eval=0, max_operand=50,
+                             min_operands=4, max_operands=5)
+    steps = lambda rows: max(r["messages"][1]["content"].count("=") for r in rows)  # noqa: E731
+    assert steps(easy["sft"]) == 1 and steps(hard["sft"]) >= 3
+    with pytest.raises(ValueError, match="distinct problems"):
+        toy.generate_data(seed=0, num_sft=500, num_preference=0, num_rlvr=0, num_eval=0, max_operand=2, max_operands=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and tokenizer
+# ---------------------------------------------------------------------------------------------
+def test_model_and_tokenizer_load_with_auto_classes(toy_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    assert type(model).__name__ == "Olmo3ForCausalLM"
+    assert model.config.hidden_size // model.config.num_attention_heads == 64  # vLLM CPU needs head_dim >= 32
+    assert sum(p.numel() for p in model.parameters()) < 10_000_000
+    assert tokenizer.bos_token == tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token == "<|pad|>"
+    for token in toy.SPECIAL_TOKENS + toy.MARKUP_TOKENS:
+        ids = tokenizer.encode(token, add_special_tokens=False)
+        assert len(ids) == 1 and tokenizer.convert_ids_to_tokens(ids[0]) == token, token
+    # Digits and arithmetic symbols are single tokens, never fused.
+    ids = tokenizer.encode("12+345=357 \\boxed{-8}", add_special_tokens=False)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    for piece in pieces:
+        assert not (any(c.isdigit() for c in piece) and len(piece.strip()) > 1), pieces
+    # Any text survives a round trip (byte-level), and <think> survives skip_special_tokens.
+    text = "<think>ünïcödé → 你好</think> \x00 done"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False), skip_special_tokens=True) == text
+    assert model.config.vocab_size >= len(tokenizer)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_model_files_are_deterministic(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    toy.write_model(a, seed=0)
+    toy.write_model(b, seed=0)
+    names = sorted(os.listdir(a))
+    assert "model.safetensors" in names and "tokenizer.json" in names and "chat_template.jinja" in names
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert match == names, (mismatch, errors)
+
+
+def test_cli_writes_model_and_data(tmp_path):
+    for command in ("model", "data"):
+        out = tmp_path / command
+        subprocess.run([sys.executable, "toy.py", command, str(out)], cwd=REPO, check=True, capture_output=True)
+    assert (tmp_path / "model" / "config.json").exists()
+    assert sorted(os.listdir(tmp_path / "data")) == ["eval.jsonl", "preference.jsonl", "rlvr.jsonl", "sft.jsonl"]
+
+
+def test_evaluate_scores_a_random_model_near_zero(toy_model_dir, toy_data_dir):
+    result = toy.evaluate(toy_model_dir, os.path.join(toy_data_dir, "eval.jsonl"), max_new_tokens=8, limit=16)
+    assert result["num_examples"] == 16
+    assert result["accuracy"] <= 0.2
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM serves the toy model
+# ---------------------------------------------------------------------------------------------
+VLLM_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    model_dir = sys.argv[1]
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=True)
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], tokenize=True,
+                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=0, logprobs=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params)[0].outputs[0]
+    print("RESULT " + json.dumps({"prompt": list(prompt), "tokens": list(out.token_ids),
+                                  "logprobs": [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]}))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_generates_from_a_chat_prompt_with_matching_logprobs(toy_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    script = tmp_path / "serve.py"
+    script.write_text(VLLM_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), toy_model_dir], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["prompt"][-3:] != [] and len(result["tokens"]) >= 1
+    # The engine's sampling logprobs are the model's own: recompute them with transformers.
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32)
+    ids = torch.tensor([result["prompt"] + result["tokens"]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
+    start = len(result["prompt"]) - 1
+    expected = logprobs[start:start + len(result["tokens"])].gather(1, torch.tensor(result["tokens"])[:, None])[:, 0]
+    assert torch.allclose(expected, torch.tensor(result["logprobs"]), atol=2e-3), (expected, result["logprobs"])

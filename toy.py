@@ -1,0 +1,291 @@
+"""The embedded default: a tiny Olmo 3 model, its tokenizer, and synthetic verifiable tasks, all offline.
+
+Everything here is built from a seed on the spot, so the demo and the tests need no download:
+
+    python toy.py model OUT_DIR        # tiny Olmo3ForCausalLM + fast tokenizer (save_pretrained format)
+    python toy.py data OUT_DIR         # sft.jsonl, preference.jsonl, rlvr.jsonl, eval.jsonl
+    python toy.py eval MODEL_DIR OUT_DIR/eval.jsonl   # greedy accuracy, scored by verifiers.py
+
+The task is chained small-number arithmetic with a short reasoning trace and a boxed answer, written
+in the formats real post-training datasets use (Dolci-style `messages`; `chosen` / `rejected`
+message lists; RLVR rows with `ground_truth` and a `verifier` column):
+
+    user:      What is 7+5-3?
+    assistant: <think>7+5=12
+               12-3=9</think>
+               \\boxed{9}
+
+Difficulty is adjustable (`--max_operand`, `--min_operands`, `--max_operands`): each extra operand
+is one more step a tiny model must get right, so a short SFT leaves room for RL to improve.
+Preference pairs follow Olmo 3's delta learning: the chosen answer is correct, the rejected one is
+what a weaker model writes (one step off by a little, the error carried to the final answer).
+Same seed, same bytes: the model weights, the tokenizer files and the data files are deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+# Olmo 3's special tokens. `<|endoftext|>` is both bos and eos, as in the released tokenizers.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+# Added but not "special": they must survive `decode(skip_special_tokens=True)` for the verifiers.
+MARKUP_TOKENS = ["<think>", "</think>", "<functions>", "</functions>", "<function_calls>", "</function_calls>"]
+PROMPT_STYLES = ["What is {expr}?", "Compute {expr}.", "Calculate {expr}.", "{expr} = ?"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------
+def make_problem(rng: random.Random, max_operand: int, num_operands: int) -> tuple[str, list[str], int]:
+    """An expression like `7+5-3`, its steps (`7+5=12`, `12-3=9`) and the answer. Results stay >= 0."""
+    value = rng.randint(0, max_operand)
+    expr, steps = str(value), []
+    for _ in range(num_operands - 1):
+        operand = rng.randint(0, max_operand)
+        if rng.random() < 0.5 or operand > value:
+            new = value + operand
+            steps.append(f"{value}+{operand}={new}")
+            expr += f"+{operand}"
+        else:
+            new = value - operand
+            steps.append(f"{value}-{operand}={new}")
+            expr += f"-{operand}"
+        value = new
+    return expr, steps, value
+
+
+def solution_text(steps: list[str], answer: int) -> str:
+    return "<think>" + "\n".join(steps) + "</think>\n\\boxed{" + str(answer) + "}"
+
+
+def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str, int]:
+    """A weaker model's answer: one step is off by 1-3 and the error is carried forward (delta learning)."""
+    numbers = [int(x) for x in expr.replace("-", " - ").replace("+", " + ").split() if x.isdigit()]
+    ops = [c for c in expr if c in "+-"]
+    bad_step = rng.randrange(len(ops))
+    value, new_steps = numbers[0], []
+    for i, (op, operand) in enumerate(zip(ops, numbers[1:])):
+        new = value + operand if op == "+" else value - operand
+        if i == bad_step:
+            new += rng.choice([-3, -2, -1, 1, 2, 3])
+        new_steps.append(f"{value}{op}{operand}={new}")
+        value = new
+    return solution_text(new_steps, value), value
+
+
+def generate_data(seed: int = 0, num_sft: int = 3000, num_preference: int = 1500, num_rlvr: int = 3000,
+                  num_eval: int = 200, max_operand: int = 20, min_operands: int = 2, max_operands: int = 4) -> dict:
+    """All splits as lists of rows. Evaluation problems never appear in a training split."""
+    rng = random.Random(seed)
+    total = num_sft + num_preference + num_rlvr + num_eval
+    seen, problems = set(), []
+    attempts = 0
+    while len(problems) < total:
+        attempts += 1
+        if attempts > 50 * total:
+            raise ValueError(f"cannot draw {total} distinct problems with max_operand={max_operand}, "
+                             f"operands {min_operands}..{max_operands}: make the task harder or ask for fewer rows")
+        problem = make_problem(rng, max_operand, rng.randint(min_operands, max_operands))
+        if problem[0] not in seen:
+            seen.add(problem[0])
+            problems.append(problem)
+
+    def prompt(expr):
+        return rng.choice(PROMPT_STYLES).format(expr=expr)
+
+    splits = {"sft": [], "preference": [], "rlvr": [], "eval": []}
+    it = iter(problems)
+    for _ in range(num_eval):
+        expr, steps, answer = next(it)
+        splits["eval"].append({"messages": [{"role": "user", "content": prompt(expr)}],
+                               "ground_truth": str(answer), "verifier": "math", "dataset": "toy_arithmetic"})
+    for _ in range(num_sft):
+        expr, steps, answer = next(it)
+        splits["sft"].append({"messages": [{"role": "user", "content": prompt(expr)},
+                                           {"role": "assistant", "content": solution_text(steps, answer)}]})
+    for _ in range(num_preference):
+        expr, steps, answer = next(it)
+        user = {"role": "user", "content": prompt(expr)}
+        rejected, _ = wrong_solution(rng, expr, steps)
+        splits["preference"].append({
+            "chosen": [user, {"role": "assistant", "content": solution_text(steps, answer)}],
+            "rejected": [user, {"role": "assistant", "content": rejected}],
+        })
+    for _ in range(num_rlvr):
+        expr, steps, answer = next(it)
+        splits["rlvr"].append({"messages": [{"role": "user", "content": prompt(expr)}],
+                               "ground_truth": str(answer), "verifier": "math", "dataset": "toy_arithmetic"})
+    return splits
+
+
+def write_data(out_dir: str, **kwargs) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    splits = generate_data(**kwargs)
+    paths = {}
+    for name, rows in splits.items():
+        paths[name] = os.path.join(out_dir, f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and model
+# ---------------------------------------------------------------------------------------------
+def tokenizer_corpus(seed: int) -> list[str]:
+    """Text the byte-level BPE learns its merges from: task data plus chat and tool-use markup."""
+    splits = generate_data(seed=seed, num_sft=2000, num_preference=0, num_rlvr=0, num_eval=0)
+    texts = [m["content"] for row in splits["sft"] for m in row["messages"]]
+    texts += ["system", "user", "assistant", "environment", "You are a helpful AI assistant.",
+              "The answer is", "Final Answer: The final answer is", "function", "arguments", "name"] * 50
+    return texts
+
+
+def build_tokenizer(seed: int = 0, vocab_size: int = 512):
+    """A fast byte-level BPE tokenizer: any text encodes, every digit is its own token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from chat_template import TEMPLATES
+
+    tok = Tokenizer(models.BPE())
+    # Digits split one by one before byte-level BPE, so no merge can fuse them (arithmetic stays legible).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(MARKUP_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[], show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=4096,
+    )
+    fast.add_tokens(MARKUP_TOKENS)
+    fast.chat_template = TEMPLATES["olmo3-instruct-dev"]
+    return fast
+
+
+def build_model(tokenizer, seed: int = 0, hidden_size: int = 256, num_layers: int = 4, num_heads: int = 4,
+                intermediate_size: int = 768, max_position_embeddings: int = 2048):
+    """A tiny Olmo3ForCausalLM. head_dim is 64: vLLM's CPU attention rejects smaller heads."""
+    import torch
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    vocab_size = (len(tokenizer) + 63) // 64 * 64  # pad the embedding like real checkpoints do
+    config = Olmo3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings, sliding_window=max_position_embeddings,
+        # Olmo 3's pattern: three sliding-window layers, then one full-attention layer.
+        layer_types=[("full_attention" if (i + 1) % 4 == 0 else "sliding_attention") for i in range(num_layers)],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return Olmo3ForCausalLM(config).to(torch.float32)
+
+
+def write_model(out_dir: str, seed: int = 0, **model_kwargs) -> str:
+    from transformers import GenerationConfig
+
+    tokenizer = build_tokenizer(seed=seed)
+    model = build_model(tokenizer, seed=seed, **model_kwargs)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: greedy answers to the held-out split, scored by verifiers.py
+# ---------------------------------------------------------------------------------------------
+def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: int | None = None,
+             batch_size: int = 64) -> dict:
+    """Greedy-decode each eval prompt with transformers and score it with its row's verifier.
+
+    Plain `generate` rather than vLLM: for a model this small it is faster than starting an engine,
+    and it keeps evaluation independent of the RL actor code it is used to check.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import verifiers
+    from chat_template import tokenize_prompt
+
+    with open(eval_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:limit]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id
+    responses = []
+    for start in range(0, len(rows), batch_size):
+        prompts = [tokenize_prompt(tokenizer, row["messages"]) for row in rows[start:start + batch_size]]
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
+        attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        responses += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    results = [verifiers.verify(row["verifier"], response, row["ground_truth"]) for row, response in zip(rows, responses)]
+    return {
+        "accuracy": sum(r.score for r in results) / max(len(results), 1),
+        "num_examples": len(results),
+        "num_errors": sum(r.error is not None for r in results),
+        "mean_response_chars": sum(map(len, responses)) / max(len(responses), 1),
+        "examples": [{"prompt": row["messages"][-1]["content"], "response": response, "ground_truth": row["ground_truth"],
+                      "score": r.score} for row, response, r in list(zip(rows, responses, results))[:5]],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_model = sub.add_parser("model", help="write the tiny model and tokenizer to OUT_DIR")
+    p_model.add_argument("out_dir")
+    p_model.add_argument("--seed", type=int, default=0)
+    p_model.add_argument("--hidden_size", type=int, default=256)
+    p_model.add_argument("--num_layers", type=int, default=4)
+    p_model.add_argument("--num_heads", type=int, default=4, help="head_dim = hidden_size / num_heads; keep it 64")
+    p_model.add_argument("--intermediate_size", type=int, default=768)
+    p_data = sub.add_parser("data", help="write sft / preference / rlvr / eval JSONL files to OUT_DIR")
+    p_data.add_argument("out_dir")
+    p_data.add_argument("--seed", type=int, default=0)
+    p_data.add_argument("--num_sft", type=int, default=3000)
+    p_data.add_argument("--num_preference", type=int, default=1500)
+    p_data.add_argument("--num_rlvr", type=int, default=3000)
+    p_data.add_argument("--num_eval", type=int, default=200)
+    p_data.add_argument("--max_operand", type=int, default=20, help="operands are drawn from 0..max_operand")
+    p_data.add_argument("--min_operands", type=int, default=2)
+    p_data.add_argument("--max_operands", type=int, default=4, help="each extra operand is one more reasoning step")
+    p_eval = sub.add_parser("eval", help="greedy accuracy of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")
+    p_eval.add_argument("model_dir")
+    p_eval.add_argument("eval_path")
+    p_eval.add_argument("--max_new_tokens", type=int, default=64)
+    p_eval.add_argument("--limit", type=int, default=None)
+    args = vars(parser.parse_args())
+    command = args.pop("command")
+    if command == "eval":
+        print(json.dumps(evaluate(**args), indent=2))
+        return
+    out_dir = args.pop("out_dir")
+    if command == "model":
+        write_model(out_dir, **args)
+        print(f"wrote toy model and tokenizer to {out_dir}")
+    else:
+        paths = write_data(out_dir, **args)
+        print("\n".join(f"wrote {p}" for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()
