@@ -5,6 +5,7 @@ Everything here is built from a seed on the spot, so the demo and the tests need
     python toy.py model OUT_DIR        # tiny Olmo3ForCausalLM + fast tokenizer (save_pretrained format)
     python toy.py data OUT_DIR         # sft.jsonl, preference.jsonl, rlvr.jsonl, eval.jsonl
     python toy.py eval MODEL_DIR OUT_DIR/eval.jsonl   # greedy accuracy, scored by verifiers.py
+    python toy.py report --stage base=DIR --stage sft=DIR ... --eval_path EVAL --out_dir DIR   # demo table
 
 The task is chained small-number arithmetic with a short reasoning trace and a boxed answer, written
 in the formats real post-training datasets use (Dolci-style `messages`; `chosen` / `rejected`
@@ -238,14 +239,94 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
                                  do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
         responses += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     results = [verifiers.verify(row["verifier"], response, row["ground_truth"]) for row, response in zip(rows, responses)]
+    by_operands = {}
+    for row, result in zip(rows, results):
+        operands = sum(row["messages"][-1]["content"].count(op) for op in "+-") + 1
+        by_operands.setdefault(operands, []).append(result.score)
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {
-        "accuracy": sum(r.score for r in results) / max(len(results), 1),
+        "accuracy": mean([r.score for r in results]),
+        "accuracy_by_operands": {k: mean(v) for k, v in sorted(by_operands.items())},
+        "answer_found": mean([r.error is None for r in results]),
         "num_examples": len(results),
         "num_errors": sum(r.error is not None for r in results),
-        "mean_response_chars": sum(map(len, responses)) / max(len(responses), 1),
+        "mean_response_chars": mean([len(r) for r in responses]),
         "examples": [{"prompt": row["messages"][-1]["content"], "response": response, "ground_truth": row["ground_truth"],
                       "score": r.score} for row, response, r in list(zip(rows, responses, results))[:5]],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo report: a Table-26-style table across stages, and the training curves
+# ---------------------------------------------------------------------------------------------
+CURVES = [  # (stage, metric in its metrics.jsonl, panel title)
+    ("sft", "train/loss", "SFT loss"),
+    ("dpo", "train/loss", "DPO loss"),
+    ("dpo", "eval/accuracy", "DPO held-out preference accuracy"),
+    ("rl", "rollout/reward", "RL mean reward"),
+    ("rl", "eval/pass@1", "RL eval pass@1"),
+    ("rl", "rollout/response_length", "RL response length"),
+]
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(stage_dirs: dict[str, str], out_path: str) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for stage, key, title in CURVES:
+        rows = [r for r in read_metrics(os.path.join(stage_dirs.get(stage, ""), "metrics.jsonl")) if key in r]
+        if rows:
+            panels.append((title, [r.get("step", i) for i, r in enumerate(rows)], [r[key] for r in rows]))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, (title, xs, ys) in zip(axes[0], panels):
+        ax.plot(xs, ys, marker="." if len(xs) < 50 else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tokens: int = 64) -> dict:
+    """Evaluate every stage's checkpoint on the held-out split, print the table, write JSON, Markdown, PNG."""
+    os.makedirs(out_dir, exist_ok=True)
+    results = {stage: evaluate(path, eval_path, max_new_tokens=max_new_tokens) for stage, path in stage_dirs.items()}
+    operands = sorted({k for r in results.values() for k in r["accuracy_by_operands"]})
+    rows = [("Accuracy (all, %)", lambda r: 100 * r["accuracy"])]
+    rows += [(f"  {k} operands (%)", lambda r, k=k: 100 * r["accuracy_by_operands"].get(k, float("nan"))) for k in operands]
+    rows += [("Answer found (%)", lambda r: 100 * r["answer_found"]),
+             ("Mean response (chars)", lambda r: r["mean_response_chars"])]
+    header = ["Toy arithmetic (held-out)"] + list(results)
+    table = [header] + [[name] + [f"{fn(r):.1f}" for r in results.values()] for name, fn in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                     for row in table)
+    markdown = "\n".join("| " + " | ".join(row) + " |" for row in table[:1] + [["---"] * len(header)] + table[1:])
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(markdown + "\n")
+    plot = plot_curves(stage_dirs, os.path.join(out_dir, "curves.png"))
+    print("\n" + text + "\n")
+    for stage, path in stage_dirs.items():
+        print(f"  {stage:>5}: {path}")
+    print(f"  table: {os.path.join(out_dir, 'results.md')}  details: {os.path.join(out_dir, 'results.json')}"
+          + (f"  curves: {plot}" if plot else ""))
+    return results
 
 
 def main():
@@ -273,8 +354,18 @@ def main():
     p_eval.add_argument("eval_path")
     p_eval.add_argument("--max_new_tokens", type=int, default=64)
     p_eval.add_argument("--limit", type=int, default=None)
+    p_report = sub.add_parser("report", help="evaluate several checkpoints; print and write the results table")
+    p_report.add_argument("--stage", action="append", required=True, metavar="NAME=DIR",
+                          help="a column of the table, in order: e.g. --stage base=DIR --stage sft=DIR")
+    p_report.add_argument("--eval_path", required=True)
+    p_report.add_argument("--out_dir", required=True)
+    p_report.add_argument("--max_new_tokens", type=int, default=64)
     args = vars(parser.parse_args())
     command = args.pop("command")
+    if command == "report":
+        stages = dict(item.split("=", 1) for item in args.pop("stage"))
+        report(stages, **args)
+        return
     if command == "eval":
         print(json.dumps(evaluate(**args), indent=2))
         return

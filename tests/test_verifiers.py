@@ -1,0 +1,652 @@
+"""Tests for verifiers.py: each verifier on correct, wrong, partial, empty, malformed and hostile
+responses; the process pool's hard timeouts (off the main thread too); the code sandbox against
+programs that loop, fork, allocate, exit early, kill their parent or print gigabytes; the LM judge
+against a local HTTP server and (slow) a real `vllm` OpenAI server on the toy model.
+
+Fast part: `pytest tests/test_verifiers.py -m "not slow"`; everything: drop the -m.
+"""
+
+import asyncio
+import collections
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import verifiers as V
+from verifiers import VerifierPool, verify, verify_row
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def py(src: str) -> str:
+    return f"Here is my solution.\n```python\n{src}\n```\n"
+
+
+def in_bounds(r) -> bool:
+    return 0.0 <= r.score <= 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# math
+
+@pytest.mark.parametrize("response,label", [
+    ("<think>12+30=42</think>\nThe answer is \\boxed{42}.", "42"),
+    ("so $x = \\boxed{\\frac{1}{2}}$", "0.5"),
+    ("\\boxed{0.5}", "\\frac12"),
+    ("\\fbox{3/4}", "\\dfrac{3}{4}"),
+    ("The set is \\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}"),
+    ("\\boxed{[0, 1)}", "[0,1)"),
+    ("\\boxed{(1, 2)}", "(1,2)"),
+    ("\\boxed{\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}}", "\\begin{pmatrix}1 & 2\\\\ 3 & 4\\end{pmatrix}"),
+    ("\\boxed{(x+1)^2}", "x^2+2x+1"),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "$\\sqrt{2}/2$"),
+    ("first \\boxed{7} then corrected: \\boxed{8}", "8"),
+    ("Final Answer: The final answer is $\\frac{2}{3}$. I hope it is correct.", "2/3"),
+    ("Therefore, the answer is 1,000.", "1000"),
+    ("We get 3 apples, then 5 more, total 8", "8"),
+    ("<think>maybe \\boxed{5}</think>Thus \\boxed{6}", "\\boxed{6}"),
+    ("\\boxed{6}", ["5", "6"]),  # several acceptable answers
+])
+def test_math_correct(response, label):
+    r = verify("math", response, label)
+    assert (r.score, r.error) == (1.0, None), r
+
+
+@pytest.mark.parametrize("response,label", [
+    ("The answer is \\boxed{41}.", "42"),
+    ("\\boxed{\\frac{1}{3}}", "0.5"),
+    ("\\boxed{\\{1,2\\}}", "\\{1,2,3\\}"),
+    ("\\boxed{x^2+1}", "(x+1)^2"),
+    ("first \\boxed{8} then corrected: \\boxed{7}", "8"),
+])
+def test_math_wrong_is_zero_without_error(response, label):
+    r = verify("math", response, label)
+    assert (r.score, r.error) == (0.0, None), r
+    assert r.extracted is not None
+
+
+@pytest.mark.parametrize("response", [
+    "", "   ", "I do not know.", "<think>the answer is \\boxed{42}", "<think>42</think>", "\\boxed{}",
+])
+def test_math_no_answer_is_an_error_not_a_wrong_answer(response):
+    r = verify("math", response, "42")
+    assert r.score == 0.0 and r.error == "no_answer", r
+
+
+def test_math_think_is_ignored():
+    assert verify("math", "<think>\\boxed{42}</think> so \\boxed{41}", "42").score == 0.0
+    assert verify("math", "reasoning 42 ... </think> final \\boxed{41}", "41").score == 1.0  # template opened <think>
+
+
+def test_math_malformed_label_and_unbalanced_latex():
+    assert verify("math", "\\boxed{42}", "").error == "bad_label"
+    r = verify("math", "\\boxed{\\frac{1}{", "0.5")  # truncated: no complete box, falls back to the last number
+    assert in_bounds(r) and r.error is None
+    r = verify("math", "\\boxed{\\frac{{{{}}", "1")
+    assert in_bounds(r)
+
+
+def test_math_hostile_extraction_is_linear():
+    t0 = time.time()
+    r = verify("math", "\\boxed{" * 50_000 + "<think>" * 50_000 + "1", "1")
+    assert in_bounds(r) and time.time() - t0 < 10
+
+
+def test_math_off_the_main_thread_works():
+    # math-verify raises (and elsewhere silently scores 0) when its SIGALRM timeout runs in a thread.
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=verify("math", "\\boxed{\\frac{1}{2}}", "0.5")))
+    t.start()
+    t.join(60)
+    assert out["r"].score == 1.0 and out["r"].error is None
+
+
+def test_math_verify_timeout_is_an_error_not_a_silent_zero():
+    # In a clean main thread math-verify's own alarm fires; math-verify would return False, we say "timeout".
+    code = ("import verifiers, json; r = verifiers.verify('math', '\\\\boxed{(x+1)^{100000}}', '7', math_timeout=1);"
+            "print(json.dumps([r.score, r.error]))")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0.0, "timeout"], out.stderr[-2000:]
+    assert time.time() - t0 < 60
+
+
+def test_pool_timeout_works_off_the_main_thread():
+    # The hang is C-level (a 9^9^9^9 power in sympy): no signal can interrupt it, only a process kill.
+    hostile = ("math", "so \\boxed{9^{9^{9^{9}}}}", "7")
+    out = {}
+    with VerifierPool(num_workers=1, timeout=2.0) as pool:
+        def run():
+            t0 = time.time()
+            out["results"] = pool.score([hostile, ("math", "\\boxed{7}", "7")])
+            out["seconds"] = time.time() - t0
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(60)
+        assert not t.is_alive()
+        bad, good = out["results"]
+        assert bad.error == "timeout" and bad.score == 0.0 and bad.verifier == "math"
+        assert bad.elapsed < 2.0 + 1.5
+        assert (good.score, good.error) == (1.0, None)  # the replacement worker scores the next row
+        assert pool.error_counts == {"math/timeout": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# gsm8k
+
+@pytest.mark.parametrize("response,label,score,error", [
+    ("She has 12 + 30 = 42 apples.", "42", 1.0, None),
+    ("Total: $1,234.", "1234", 1.0, None),
+    ("Total: 1,234.50 dollars", "1234.5", 1.0, None),
+    ("#### -7", "-7", 1.0, None),
+    ("42 apples... wait, 43", "42", 0.0, None),
+    ("so 1,2,3", "3", 1.0, None),
+    ("The answer is 72", "Natalia sold 48/2 = 24 clips... #### 72", 1.0, None),
+    ("no numbers here", "42", 0.0, "no_answer"),
+    ("<think>42</think>", "42", 0.0, "no_answer"),
+    ("", "42", 0.0, "no_answer"),
+    ("42", "not a number", 0.0, "bad_label"),
+])
+def test_gsm8k(response, label, score, error):
+    r = verify("gsm8k", response, label)
+    assert (r.score, r.error) == (score, error), r
+
+
+# ------------------------------------------------------------------------------------------------
+# ifeval: one following and one violating response per instruction type
+
+IFEVAL_CASES = [
+    ("keywords:existence", {"keywords": ["apple", "pie"]}, "I like apple pie.", "I like apple tart."),
+    ("keywords:frequency", {"keyword": "cat", "frequency": 2, "relation": "at least"}, "cat and cat", "one cat"),
+    ("keywords:frequency", {"keyword": "cat", "frequency": 2, "relation": "less than"}, "one cat", "cat cat"),
+    ("keywords:forbidden_words", {"forbidden_words": ["bad", "evil"]}, "All is good.", "That was Bad."),
+    ("keywords:letter_frequency", {"letter": "z", "let_frequency": 3, "let_relation": "at least"}, "zzZ", "zz"),
+    ("language:response_language", {"language": "en"},
+     "This is a perfectly ordinary English sentence about the weather today.",
+     "Ceci est une phrase tout à fait ordinaire en français sur le temps qu'il fait aujourd'hui."),
+    ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "less than"},
+     "One. Two.", "One. Two. Three. Four."),
+    ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "First.\n***\nSecond.", "Only one."),
+    ("length_constraints:number_words", {"num_words": 5, "relation": "at least"}, "one two three four five", "one two"),
+    ("length_constraints:nth_paragraph_first_word", {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"},
+     "Hello there.\n\nThen we left.", "Hello there.\n\nAfter that we left."),
+    ("detectable_content:number_placeholders", {"num_placeholders": 2}, "Dear [name], at [address].", "Dear [name]."),
+    ("detectable_content:postscript", {"postscript_marker": "P.S."}, "Hi.\nP.S. bye", "Hi. bye"),
+    ("detectable_content:postscript", {"postscript_marker": "P.P.S"}, "Hi.\nP.P.S bye", "Hi.\nP.S. bye"),
+    ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* a\n* b", "* a\n* b\n* c"),
+    ("detectable_format:constrained_response", {}, "My answer is yes.", "Yes."),
+    ("detectable_format:number_highlighted_sections", {"num_highlights": 2}, "*one* and **two**", "*one* only"),
+    ("detectable_format:multiple_sections", {"section_spliter": "Section", "num_sections": 2},
+     "Section 1\nfoo\nSection 2\nbar", "Section 1\nfoo"),
+    ("detectable_format:json_format", {}, '```json\n{"a": 1}\n```', "{'a': 1}"),
+    ("detectable_format:title", {}, "<<My Title>>\ntext", "My Title\ntext"),
+    ("combination:two_responses", {}, "First answer.\n******\nSecond answer.", "Same.\n******\nSame."),
+    ("combination:repeat_prompt", {"prompt_to_repeat": "Write a poem."}, "Write a poem. Roses...", "Roses..."),
+    ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Done. Any other questions?", "Done."),
+    ("change_case:capital_word_frequency", {"capital_frequency": 2, "capital_relation": "at least"},
+     "THIS is VERY nice", "This is nice"),
+    ("change_case:english_capital", {}, "THIS IS ALL IN CAPITAL LETTERS, AS ASKED.", "This is not all capitals."),
+    ("change_case:english_lowercase", {}, "this is all in lowercase letters, as asked.", "This is Not lowercase."),
+    ("punctuation:no_comma", {}, "No commas here.", "Commas, here."),
+    ("startend:quotation", {}, '"Wrapped in quotes."', "Not wrapped."),
+]
+
+
+def test_ifeval_covers_the_25_instruction_types():
+    assert len(V.IFEVAL_CHECKS) == 25
+    assert {case[0] for case in IFEVAL_CASES} == set(V.IFEVAL_CHECKS)
+
+
+@pytest.mark.parametrize("inst,kwargs,good,bad", IFEVAL_CASES, ids=[c[0] + str(i) for i, c in enumerate(IFEVAL_CASES)])
+def test_ifeval_instruction(inst, kwargs, good, bad):
+    label = {"instruction_id_list": [inst], "kwargs": [kwargs]}
+    assert verify("ifeval", good, label).score == 1.0, verify("ifeval", good, label)
+    assert verify("ifeval", bad, label).score == 0.0, verify("ifeval", bad, label)
+
+
+def test_ifeval_partial_hf_nones_json_string_and_think():
+    # The HF dataset stores every kwarg key in every dict, None where unused.
+    kwargs = [{"keywords": None, "num_words": None, "relation": None}, {"keywords": ["apple"], "num_words": None}]
+    label = json.dumps({"key": 1, "prompt": "...", "instruction_id_list": ["punctuation:no_comma", "keywords:existence"],
+                        "kwargs": kwargs})
+    r = verify("ifeval", "<think>apple, apple</think>I like pears, a lot.", label)
+    assert (r.score, r.error) == (0.0, None)
+    r = verify("ifeval", "<think>apple, apple</think>I like apples, a lot.", label)
+    assert (r.score, r.error) == (0.5, None) and r.details["followed"] == {"punctuation:no_comma": False,
+                                                                          "keywords:existence": True}
+    # Olmo's RLVR rows: a list holding one dict with "instruction_id".
+    olmo = json.dumps([{"instruction_id": ["punctuation:no_comma"], "kwargs": [None]}])
+    assert verify("ifeval", "fine", olmo).score == 1.0
+
+
+@pytest.mark.parametrize("label", [
+    "not json", {"instruction_id_list": ["no:such_instruction"], "kwargs": [{}]},
+    {"instruction_id_list": ["keywords:frequency"], "kwargs": [{"keyword": "x"}]},  # missing kwargs
+    {"instruction_id_list": ["keywords:frequency"], "kwargs": [{"keyword": "x", "frequency": 1, "relation": "about"}]},
+    {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}, {}]}, {"instruction_id_list": []}, None, 42,
+])
+def test_ifeval_malformed_label_is_bad_label(label):
+    r = verify("ifeval", "some response", label)
+    assert r.score == 0.0 and r.error == "bad_label", r
+
+
+def test_ifeval_empty_response_is_no_answer():
+    r = verify("ifeval", "<think>x</think>  ", {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]})
+    assert r.error == "no_answer"  # not a free 1.0 for "no commas"
+
+
+def test_ifeval_hostile_inputs_are_fast():
+    ids = list(V.IFEVAL_CHECKS)
+    kwargs = {"keywords": ["a"], "keyword": "a", "frequency": 1, "relation": "at least", "forbidden_words": ["b"],
+              "letter": "a", "let_frequency": 1, "let_relation": "at least", "language": "en", "num_sentences": 1,
+              "num_paragraphs": 1, "num_words": 1, "nth_paragraph": 1, "first_word": "a", "num_placeholders": 1,
+              "postscript_marker": "P.S.", "num_bullets": 1, "num_highlights": 1, "section_spliter": "Section",
+              "num_sections": 1, "prompt_to_repeat": "a", "end_phrase": "a", "capital_frequency": 1,
+              "capital_relation": "at least"}
+    label = {"instruction_id_list": ids, "kwargs": [{k: kwargs.get(k) for k in V.IFEVAL_CHECKS[i].__code__.co_varnames[
+        1:V.IFEVAL_CHECKS[i].__code__.co_argcount]} for i in ids]}
+    for text in [" " * 200_000 + "x", "[" * 200_000, "\n" * 100_000 + "x", "*" * 100_000, "[" * 100_000 + "]" * 100_000,
+                 "p. " * 50_000, "Section " * 50_000]:
+        t0 = time.time()
+        r = verify("ifeval", text, label)
+        assert in_bounds(r) and r.error is None, r
+        assert time.time() - t0 < 5, (text[:20], time.time() - t0)
+
+
+# ------------------------------------------------------------------------------------------------
+# string_match, string_f1, max_length
+
+def test_string_match_and_f1():
+    assert verify("string_match", "<answer>The Eiffel Tower!</answer>", "eiffel tower").score == 1.0
+    assert verify("string_match", "Eiffel Tower", '["Louvre", "eiffel  tower"]').score == 1.0
+    assert verify("string_match", "<think>Louvre</think>Eiffel", "Louvre").score == 0.0
+    assert verify("string_match", "  ", "x").error == "no_answer"
+    assert verify("string_f1", "the big red dog", "red dog").score == pytest.approx(0.8)
+    assert verify("string_f1", "red dog", ["cat", "red dog"]).score == 1.0
+    assert verify("string_f1", "blue", "red dog").score == 0.0
+    assert verify("string_f1", "", "red").error == "no_answer"
+    assert verify("string_matcher", "a", "a").verifier == "string_match"  # open-instruct's name
+
+
+def test_max_length_is_clamped():
+    assert verify("max_length", "one two three", "3").score == 1.0
+    assert verify("max_length", "w " * 100_000, "10").score == 0.0  # open-instruct's went negative
+    assert verify("max_length", "w " * 110, {"max_length": 10, "scale": 200}).score == pytest.approx(0.5)
+    assert verify("max_length", "x", "10", num_tokens=20).score == pytest.approx(1 - 10 / 8192)
+    assert verify("up_to_max_length", "a b", "5").score == 1.0
+    assert verify("max_length", "x", "not a number").error == "exception:ValueError"
+
+
+# ------------------------------------------------------------------------------------------------
+# code and code_stdio
+
+DOUBLE_TESTS = ["assert f(1) == 2", "assert f(2) == 4", "assert f(0) == 0"]
+
+
+def test_code_correct_partial_wrong():
+    assert verify("code", py("def f(x):\n    return 2 * x"), DOUBLE_TESTS).score == 1.0
+    r = verify("code", py("def f(x):\n    return 2 * x if x else 1"), json.dumps(DOUBLE_TESTS))
+    assert r.score == pytest.approx(2 / 3) and r.error is None and r.details["passed"] == 2
+    assert verify("code", py("def f(x):\n    return x"), DOUBLE_TESTS).score == pytest.approx(1 / 3)
+    # the last fenced python block is the program
+    two = py("def f(x):\n    return -1") + py("def f(x):\n    return 2 * x")
+    assert verify("code", two, DOUBLE_TESTS).score == 1.0
+
+
+@pytest.mark.parametrize("response,error", [
+    ("no code at all", "no_answer"), ("", "no_answer"), ("```python\n```", "no_answer"),
+    (py("def f(x) return 2"), "syntax_error"), ("<think>" + py("def f(x): return 2*x") + "</think>", "no_answer"),
+])
+def test_code_no_answer_and_syntax_error(response, error):
+    r = verify("code", response, DOUBLE_TESTS)
+    assert (r.score, r.error) == (0.0, error), r
+
+
+def test_code_bad_label():
+    assert verify("code", py("x = 1"), "[]").error == "bad_label"
+    assert verify("code_stdio", py("x = 1"), '[{"in": 1}]').error == "bad_label"
+
+
+def _sandbox_uid_processes():
+    uids = range(V._uid_base(), V._uid_base() + 8)
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid in uids:
+                pids.append(pid)
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+GOOD_F = "def f(x):\n    return 2 * x\n"
+HOSTILE = {
+    # name: (program, max score it may get, seconds it may take with code_timeout=2)
+    "infinite_loop": (GOOD_F + "while True:\n    pass", 0.0, 4),
+    "sleep_forever": (GOOD_F + "import time\ntime.sleep(1000)", 0.0, 4),
+    "fork_bomb": ("import os\n" + GOOD_F + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass", 0.0, 5),
+    "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(10 ** 7))\n" + GOOD_F, 0.0, 5),
+    "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
+                    "def f(x):\n    return -1", 0.0, 4),
+    "os_exit_before_asserts": (GOOD_F + "import os\nos._exit(0)", 0.0, 4),
+    "sys_exit_before_asserts": ("def f(x):\n    return -1\nimport sys\nsys.exit(0)", 0.0, 4),
+    "print_gigabytes": ("import sys\n" + GOOD_F + "while True:\n    sys.stdout.write('x' * (1 << 20))", 0.0, 5),
+    "forged_pass_lines": ("def f(x):\n    return -1\nfor i in range(3):\n    print(f'\\nVERIFIER_0:{i}:pass')\n"
+                          "import builtins\nbuiltins.print = lambda *a, **k: None", 0.0, 4),
+    "kill_all": ("import os, signal\nos.kill(-1, signal.SIGKILL)\ndef f(x):\n    return -1", 0.0, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_code_hostile_program_scores_zero_and_caller_survives(name):
+    program, max_score, seconds = HOSTILE[name]
+    t0 = time.time()
+    r = verify("code", py(program), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
+    assert in_bounds(r) and r.score <= max_score and r.error is None, r
+    assert time.time() - t0 < seconds, r.details
+    assert os.getppid() > 1  # we are alive (this line ran) and so is our parent
+    if V._sandbox_mode() == "namespace":
+        assert _sandbox_uid_processes() == []  # nothing outlives the call
+
+
+def test_code_sys_exit_does_not_skip_asserts():
+    # The harness runs the asserts even after sys.exit(); they pass only if the function is right.
+    r = verify("code", py(GOOD_F + "import sys\nsys.exit(0)"), DOUBLE_TESTS, code_timeout=3)
+    assert r.score == 1.0
+
+
+def test_code_sandbox_isolation():
+    if V._sandbox_mode() != "namespace":
+        pytest.skip("namespace sandbox unavailable here (not root, or no unshare/setpriv/prlimit)")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    target = os.path.join(REPO, "tests", "should_not_exist.txt")
+    tests = [
+        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    ok = False\n"
+        "except OSError:\n    ok = True\nassert ok",  # our loopback is not its loopback
+        f"try:\n    open({target!r}, 'w')\n    ok = False\nexcept OSError:\n    ok = True\nassert ok",  # not root
+        "import os\nassert os.getuid() != 0",
+        "import os\nassert os.listdir('/tmp') and 'solution.py' in os.listdir('/tmp')",  # private /tmp = workdir
+    ]
+    r = verify("code", py("x = 1"), tests, code_timeout=5)
+    server.close()
+    assert r.score == 1.0, r.details
+    assert not os.path.exists(target)
+
+
+def test_code_stdio():
+    tests = [{"input": "2\n", "output": "4\n"}, {"input": "5\n", "output": "10"}, {"input": "0\n", "output": "1\n"}]
+    prog = py("print(int(input()) * 2)")
+    r = verify("code_stdio", prog, tests)
+    assert r.score == pytest.approx(2 / 3) and r.error is None, r.details
+    lcb = json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})
+    assert verify("code_stdio", py("a, b = map(int, input().split())\nprint(a + b)"), lcb).score == 1.0
+    # a test that loops costs its own time, not the other tests' results
+    loop_on_zero = py("import sys\nn = int(input())\nwhile n == 0:\n    pass\nprint(2 * n)")
+    t0 = time.time()
+    r = verify("code_stdio", loop_on_zero, tests, code_timeout=1, budget=6)
+    assert r.score == pytest.approx(2 / 3) and time.time() - t0 < 6, r.details
+    # a total budget smaller than the tests need: the unreached tests fail, in bounded time
+    t0 = time.time()
+    r = verify("code_stdio", py("while True:\n    pass"), tests * 3, code_timeout=1, budget=2)
+    assert r.score == 0.0 and time.time() - t0 < 4 and "budget" in r.details["statuses"]
+
+
+# ------------------------------------------------------------------------------------------------
+# routing, labels and never raising
+
+def test_verify_row_several_verifiers_with_parallel_labels():
+    r = verify_row(["gsm8k", "max_length"], "so 42", ["42", "2"])
+    assert (r.score, r.error, r.verifier) == (1.0, None, "gsm8k+max_length")
+    r = verify_row('["gsm8k", "string_match"]', "so 42", '["42", "nope"]')
+    assert (r.score, r.error) == (0.5, None)
+    r = verify_row(["gsm8k", "math"], "no digits", ["42", "42"])
+    assert r.score == 0.0 and r.error == "gsm8k:no_answer;math:no_answer" and len(r.details["parts"]) == 2
+    assert verify_row(["gsm8k", "math"], "1", ["1"]).error == "bad_label"
+    assert verify_row(["math"], "\\boxed{1}", ["1"]).score == 1.0  # Olmo rows: one-element lists
+    assert verify_row("string_f1", "a b", ["x", "a b"]).score == 1.0  # one verifier, several labels
+
+
+@pytest.mark.parametrize("name", sorted(V.VERIFIERS))
+@pytest.mark.parametrize("label", [None, 0, "", "{", [], {}, [[[]]], {"a": None}, "\x00" * 10, float("nan")])
+def test_every_verifier_survives_malformed_labels(name, label):
+    if name == "llm_judge":
+        label = label if label else "ref"  # (no server here: judge_unavailable)
+    r = verify(name, py("def f(x): return x") + " \\boxed{1} 1", label, judge_base_url="http://127.0.0.1:9/v1",
+               judge_retries=0, code_timeout=2)
+    assert isinstance(r, V.VerifierResult) and in_bounds(r)
+    assert r.score == 0.0 or r.error is None
+
+
+def test_unknown_verifier_and_odd_responses():
+    assert verify("nope", "x", "y").error == "unknown_verifier"
+    assert verify("math", None, "1").error == "no_answer"
+    assert verify("math", 1, "1").score == 1.0
+    assert float(verify("gsm8k", "7", "7")) == 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# llm_judge against a local OpenAI-compatible HTTP server (fast) and a real vLLM server (slow)
+
+class _FakeOpenAI(http.server.BaseHTTPRequestHandler):
+    mode = "json"  # json | garbage | no_schema | error500
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": "fake-judge", "object": "model", "created": 0, "owned_by": "t"}]})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(req)
+        if self.mode == "error500":
+            return self._send(500, {"error": {"message": "boom"}})
+        if self.mode == "no_schema" and "response_format" in req:
+            return self._send(400, {"error": {"message": "response_format is not supported", "type": "invalid_request"}})
+        content = {"json": '{"score": 7}', "garbage": "I refuse.", "no_schema": 'Sure! {"score": 11}'}[self.mode]
+        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": req["model"],
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": content}}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+@pytest.fixture()
+def fake_judge():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _FakeOpenAI.requests = []
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+def test_llm_judge_plumbing_against_a_local_server(fake_judge):
+    label = {"question": "Capital of France?", "reference": "Paris"}
+    _FakeOpenAI.mode = "json"
+    r = verify("llm_judge", "<think>hmm</think>Paris", label, judge_base_url=fake_judge)
+    assert (r.score, r.error) == (0.7, None) and r.details["structured"]
+    req = _FakeOpenAI.requests[-1]
+    assert req["model"] == "fake-judge" and req["response_format"]["type"] == "json_schema"
+    assert "Capital of France?" in req["messages"][0]["content"] and "hmm" not in req["messages"][0]["content"]
+    _FakeOpenAI.mode = "no_schema"  # server without structured output: plain reply parsed, 11/10 clamped
+    r = verify("llm_judge", "Paris", "Paris", judge_base_url=fake_judge, judge_model="m")
+    assert (r.score, r.error) == (1.0, None) and not r.details["structured"]
+    _FakeOpenAI.mode = "garbage"
+    r = verify("llm_judge", "Paris", "Paris", judge_base_url=fake_judge, judge_retries=1)
+    assert (r.score, r.error) == (0.0, "judge_bad_output")
+    _FakeOpenAI.mode = "error500"
+    n = len(_FakeOpenAI.requests)
+    r = verify("llm_judge", "Paris", "Paris", judge_base_url=fake_judge, judge_model="m", judge_retries=2)
+    assert r.error == "judge_unavailable" and len(_FakeOpenAI.requests) - n == 3  # retried
+
+
+def test_llm_judge_server_down_is_a_counted_error_not_a_hang():
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    t0 = time.time()
+    r = verify("llm_judge", "Paris", "Paris", judge_base_url=url, judge_model="m", judge_retries=2)
+    assert (r.score, r.error) == (0.0, "judge_unavailable") and time.time() - t0 < 10
+    # in the pool, retries stop within the row's budget: an error, not a hard-timeout kill
+    with VerifierPool(num_workers=1, timeout=3, judge_base_url=url, judge_model="m", judge_retries=10) as pool:
+        t0 = time.time()
+        r = pool.score([("llm_judge", "Paris", "Paris")])[0]
+        assert (r.score, r.error) == (0.0, "judge_unavailable") and time.time() - t0 < 3 + 1
+        assert pool.error_counts == {"llm_judge/judge_unavailable": 1}
+
+
+@pytest.fixture(scope="module")
+def vllm_judge(toy_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", toy_model_dir, "--dtype", "float32",
+           "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "toy",
+           # eager: skips a minute of compilation; no free whitespace in JSON: a random model would
+           # otherwise fill max_tokens with it (a real judge model does not)
+           "--enforce-eager", "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
+    log = open(os.path.join(toy_model_dir, "..", f"vllm_judge_{port}.log"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                urllib.request.urlopen(url + "/models", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    log.flush()
+                    pytest.fail("vllm server did not start:\n" + open(log.name).read()[-3000:])
+                time.sleep(1)
+        yield url
+    finally:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(wait)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        log.close()
+
+
+@pytest.mark.slow
+def test_llm_judge_against_vllm_structured_output(vllm_judge):
+    # The random toy model's judgement is garbage: this checks the plumbing, not the grade.
+    template = "Q: {question}\nRef: {reference}\nAnswer: {response}\nScore 0-10 as JSON."
+    r = verify("llm_judge", "Paris", {"question": "Capital of France?", "reference": "Paris"},
+               judge_base_url=vllm_judge, judge_template=template, judge_max_tokens=32)
+    assert r.error is None, r
+    assert r.details["structured"] and 0.0 <= r.score <= 1.0
+    assert isinstance(json.loads(r.extracted)["score"], int)  # the structured reply is valid JSON
+    with VerifierPool(num_workers=2, timeout=30, judge_base_url=vllm_judge, judge_model="toy",
+                      judge_template=template, judge_max_tokens=32) as pool:
+        results = pool.score([("llm_judge", f"answer {i}", "Paris") for i in range(4)])
+    assert all(r.error is None and 0.0 <= r.score <= 1.0 for r in results), results
+
+
+# ------------------------------------------------------------------------------------------------
+# VerifierPool
+
+def test_pool_async_order_dict_rows_and_dead_workers():
+    with VerifierPool(num_workers=2, timeout=5) as pool:
+        rows = [("gsm8k", f"so {i}", str(i if i % 2 else i + 1)) for i in range(20)]
+        results = asyncio.run(pool.ascore(rows))
+        assert [r.score for r in results] == [float(i % 2) for i in range(20)]
+        for proc, _ in list(pool._all):  # workers killed while idle are replaced without an error
+            os.kill(proc.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        r = pool.score([{"verifier": "math", "response": "\\boxed{2}", "ground_truth": "2"}])[0]
+        assert (r.score, r.error) == (1.0, None)
+        assert sum(pool.error_counts.values()) == 0 and sum(pool.row_counts.values()) == 21
+
+
+def test_cli():
+    run = lambda *args, stdin: subprocess.run([sys.executable, os.path.join(REPO, "verifiers.py"), *args],  # noqa: E731
+                                              input=stdin, capture_output=True, text=True, timeout=120, cwd="/")
+    out = run("--verifier", "gsm8k", "--label", "1234", stdin="The answer is 1,234.")
+    assert json.loads(out.stdout) | {"elapsed": 0} == {"score": 1.0, "error": None, "extracted": "1234",
+                                                        "verifier": "gsm8k", "details": None, "elapsed": 0}, out.stderr
+    out = run("--verifier", "math", "--label", "7", "--timeout", "2", stdin="\\boxed{9^{9^{9^{9}}}}")
+    assert json.loads(out.stdout)["error"] == "timeout", out.stderr
+    assert run("--help", stdin="").returncode == 0
+
+
+def _mixed_rows(n: int):
+    """Rows of every verifier with their expected scores; None = don't check (errors checked by name)."""
+    ifeval_label = json.dumps({"instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
+                               "kwargs": [{}, {"num_words": 3, "relation": "at least"}]})
+    kinds = [
+        (("math", "<think>12+30=42</think>\nThe answer is \\boxed{42}.", "42"), 1.0),
+        (("math", "The answer is \\boxed{41}.", "42"), 0.0),
+        (("math", "\\boxed{\\frac{1}{2}}", "0.5"), 1.0),
+        (("math", "I give up", "42"), "no_answer"),
+        (("gsm8k", "so 1,234 apples", "1234"), 1.0),
+        (("gsm8k", "so 12 apples", "1234"), 0.0),
+        (("ifeval", "one two three four", ifeval_label), 1.0),
+        (("ifeval", "one, two", ifeval_label), 0.0),
+        (("string_match", "<answer>Paris</answer>", "paris"), 1.0),
+        (("string_f1", "the red dog", "red dog"), 1.0),
+        (("max_length", "a b c", "3"), 1.0),
+        ((["math", "max_length"], "\\boxed{2}", ["2", "1"]), 1.0),
+        (("code", py(GOOD_F), DOUBLE_TESTS), 1.0),
+        (("code_stdio", py("print(int(input()) * 2)"), [{"input": "2", "output": "4"}]), 1.0),
+    ]
+    rows, expected = [], []
+    for i in range(n):
+        row, want = kinds[i % len(kinds)]
+        rows.append(row)
+        expected.append(want)
+    # hostile rows: two hangs (killed by the pool) and one looping program (scored 0 by the sandbox)
+    for i, (row, want) in enumerate([(("math", "\\boxed{9^{9^{9^{9}}}}", "7"), "timeout"),
+                                     (("code", py("while True:\n    pass"), DOUBLE_TESTS), 0.0),
+                                     (("math", "\\boxed{(x+1)^{100000}}", "7"), "timeout")]):
+        rows[100 + 300 * i] = row
+        expected[100 + 300 * i] = want
+    return rows, expected
+
+
+@pytest.mark.slow  # ~20 s on 2 cores, a third of it the three rows that run into their timeouts
+def test_batch_1000_mixed_rows():
+    rows, expected = _mixed_rows(1000)
+    timeout = 6.0  # generous: the other engineers' tests share these 2 cores
+    with VerifierPool(num_workers=2, timeout=timeout) as pool:
+        asyncio.run(pool.ascore(rows[:20]))  # warm the workers' imports (math-verify, langdetect)
+        before = collections.Counter(pool.error_counts)
+        t0 = time.time()
+        results = asyncio.run(pool.ascore(rows))
+        seconds = time.time() - t0
+        counts = dict(pool.error_counts - before)
+    errors = sum(r.error is not None for r in results)
+    print(f"\n1000 mixed rows: {len(rows) / seconds:.1f} rows/s ({seconds:.1f} s, 2 workers), {errors} errors: {counts}")
+    for row, r, want in zip(rows, results, expected):
+        assert in_bounds(r)
+        assert r.elapsed <= timeout + 1.0, (row, r)  # no row blocks beyond its timeout
+        if isinstance(want, str):
+            assert r.error == want, (row, r)
+        else:
+            assert (r.score, r.error) == (want, None), (row, r)
+    assert counts == {"math/timeout": 2, "math/no_answer": sum(w == "no_answer" for w in expected)}
