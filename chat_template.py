@@ -1,23 +1,134 @@
-"""Olmo 3 chat templates, trained-token labels and dataset tokenization (shared by sft.py, dpo.py, grpo.py).
+"""Olmo 3 chat templates, trained-token labels, dataset tokenization and tokenizer tools.
 
-CORE VERSION (lead engineer): templates, `tokenize_messages`, dataset mixing and the three dataset
-tokenizers. Hardening, external-template labeling, caching and the CLI are being added.
+Shared by sft.py, dpo.py and grpo.py: every token a stage trains on is chosen here, so this module
+is built to make wrong labels loud (seed 002, DESIGN.md section 4; Olmo 3's team lost time to a
+masked opening `<think>` and to drifting templates).
+
+Templates (`TEMPLATES`, rendered text identical to the released Olmo 3 tokenizers):
+
+    olmo3-instruct-dev      allenai/olmo-3-tokenizer-instruct-dev: ChatML turns, tools as JSON in
+                            `<functions>...</functions>`, calls in `<function_calls>...</function_calls>`,
+                            `tool` / `environment` messages as an `environment` turn, the final
+                            assistant turn ends with eos. With no system message it adds the released
+                            default system turn ("You are a helpful function-calling AI assistant. ...").
+    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default.
+    olmo3-think-dev         instruct-dev plus `<think>` in `add_generation_prompt` (olmo-3.2-tokenizer-think-dev).
+    olmo3-think-release     think-dev with the identity prompt (olmo-3.2-tokenizer-think-release).
+
+Each assistant turn is wrapped in a `{% generation %}` block (seed 002 / Olmo 3.5 placement): after
+the `<|im_start|>assistant\\n` header and before any generated `<think>`, covering `reasoning_content`
+(as `<think>...</think>`), the answer, the serialized tool calls and the closing token; the
+generation prompt and the `\\n` between turns stay outside. Labels come from those blocks, so an
+opening `<think>` in the data is trained even under a think template whose generation prompt adds it.
+
+Labeling (`tokenize_messages`):
+  * templates with blocks: every block trains (`only_last_turn=False`), or, for preference data
+    (`only_last_turn=True`), the blocks found between the stable renders before and through the
+    final assistant message. The earlier render must be a prefix of the later one (turn endings may
+    not change when a message is appended); a block straddling that boundary is ambiguous and drops
+    the row; an eos / `<|im_end|>` left just outside a block (only whitespace between) drops the row
+    (the model would never learn to stop); another special token right after a block is a warning
+    (a missing terminator, or a correctly masked next header).
+  * templates without blocks (external, unannotated Hub templates): prefix labeling. Render the
+    conversation before the final assistant message with `add_generation_prompt=True` and train
+    everything after it; only the final assistant turn trains. This is the path that masks an opening
+    `<think>` added by a generation prompt (the known bug; tests show both behaviours).
+  * a token trains when its first character lies inside a block. A token straddling a block start
+    (e.g. the header's `\\n` merged with a leading `\\n` of the content) is therefore not trained: at
+    inference the header is already in the prompt (transformers' own mask trains such a token).
+    Offsets come from the fast tokenizer; starts trimmed by a ByteLevel `trim_offsets` post-processor
+    are extended back over the gap, so whitespace belongs to the token that holds it.
+
+Decisions on cases the Olmo 3 format leaves open:
+  * a final assistant turn that is a tool call (non-empty `tool_calls` or `function_calls`) ends with
+    `<|im_end|>` (trained, inside the block) and `\\n` (outside), not eos: a tool call hands control to
+    the environment (Olmo 3.5 convention, seed 002), and its render stays a prefix of the
+    conversation continued with the tool result. The released templates would put eos there.
+  * tool call `arguments` given as a JSON string (the OpenAI wire format) are parsed into a dict
+    before rendering, so they serialize as `key=json(value)`; a string that is not a JSON object drops
+    the row (`bad_tool_call`). Flat calls `{"name", "arguments"}` are accepted like
+    `{"function": {...}}`. The template itself renders an unparsed string verbatim inside the
+    parentheses instead of failing. Calls with no arguments render `name()`.
+  * `content: None` is allowed on an assistant message that has tool calls or reasoning (rendered as
+    nothing); elsewhere it drops the row (`missing_content`). Content must be a string (the released
+    templates concatenate strings; list-of-parts content drops as `non_string_content`).
+  * rows coming through Arrow (`datasets`) get keys that were absent filled with None when structs are
+    unified; the dataset helpers remove None values from tool schemas and call arguments for that
+    reason (an explicit null argument cannot be told apart). Prefer JSON strings for such columns.
+
+over_length_strategy (rows longer than max_length):
+    drop       drop the row (`over_length`).
+    terminate  left truncation: keep the last max_length tokens, so the tail with its terminator is
+               intact; if the last trained token is not already eos or the tool hand-off `<|im_end|>`
+               it becomes eos (an existing hand-off is never overwritten). No trained token left: dropped.
+    truncate   plain right truncation (RL prompts; it cuts the terminator off a training row).
+
+Dataset helpers: `load_mixture` (Hub datasets, local .json/.jsonl/.parquet files or `save_to_disk`
+directories; a decimal amount is a fraction of the source, above 1.0 upsampling, an integer a row
+count), and `tokenize_sft` / `tokenize_preference` / `tokenize_rlvr`, which return the tokenized
+dataset and a Counter of dropped rows per reason. Results are cached with `save_to_disk` under
+$OLMO3_POSTTRAIN_CACHE (default ~/.cache/olmo3_posttrain/tokenized), keyed by the data fingerprint,
+the tokenizer (backend JSON, special tokens), the template, the settings and this file's source.
+The returned Counter also carries `cache_hit`, `cache_path`, `total`, `kept` and `warnings`;
+`cache_dir=""` turns the cache off. Malformed rows never raise: any failure is counted under a reason
+(`error_<ExceptionType>` for the unexpected). Mixtures of 20k+ rows tokenize with `num_proc` workers.
+RLVR prompts longer than `max_prompt_length` are dropped, or right-truncated with `truncate`.
+
+Command line (a stable contract; exit 2 on bad input):
+
+    python chat_template.py list
+    python chat_template.py render --template NAME --messages FILE.json [--tools FILE.json] [--add-generation-prompt]
+    python chat_template.py show --template NAME --tokenizer DIR --messages FILE.json [--only-last-turn]
+    python chat_template.py export NAME --tokenizer DIR --out DIR
+    python chat_template.py diff A B [--messages FILE.json]       # exit 0 same, 1 different, 2 bad input
+
+NAME is a template name, a `.jinja` file or a tokenizer directory (its `chat_template.jinja` wins over
+`tokenizer_config.json`, as in transformers). FILE.json holds a list of messages, or an object with
+`messages` (and optionally `tools`). `render` writes the text exactly (no added newline, eos
+`<|endoftext|>` unless the tokenizer directory names another). `show` brackets trained tokens (colour
+on a terminal). `export` copies the tokenizer files (never weights) and writes the template to both
+`chat_template.jinja` and `tokenizer_config.json`. `diff` reports, per directory, whether those two
+disagree (a directory that disagrees with itself is a difference), then the effective template
+(pretty-printed unified diff), special and added tokens, vocabulary (size, entries, merges), other
+config fields (`tokenizer_config.json`, `tokenizer.json` normalizer / pre-tokenizer / post-processor /
+decoder), and rendered examples (built-in, or `--messages`), text and token ids.
+
+Transformers-internal API: generation ranges come from
+`transformers.utils.chat_template_utils.render_jinja_template` (checked with transformers 5.19);
+rerun tests/test_chat_template.py when upgrading transformers.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import collections.abc
+import difflib
+import hashlib
 import json
 import logging
 import os
+import re
+import shutil
+import sys
+import tempfile
 
 import datasets
 
+# Plumbing: the stage scripts print rather than configure logging, so this module's INFO lines (cache
+# hits, drop counts) go to stderr on their own.
 logger = logging.getLogger("chat_template")
+if not logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[chat_template] %(levelname)s %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 # ---------------------------------------------------------------------------------------------
 # Templates. One Jinja source, four variants (seed 002: dev vs release, instruct vs think).
 # ---------------------------------------------------------------------------------------------
+DEV_SYSTEM = "You are a helpful function-calling AI assistant."  # released olmo-3-tokenizer-instruct-dev default
 OLMO_IDENTITY = (
     "You are Olmo, a helpful AI assistant built by Ai2. Your date cutoff is December 2024, and your "
     "model weights are available at https://huggingface.co/allenai."
@@ -29,79 +140,91 @@ FUNCTIONS_PREAMBLE = (
     "<function_calls></function_calls> XML tags. Do not make assumptions about what values to plug "
     "into functions."
 )
+IM_START, IM_END, DEFAULT_EOS = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 
-_DEFAULT_SYSTEM_DEV = (
-    "{%- if tools -%}"
-    "{{- '<|im_start|>system\\n<functions>' + (tools | tojson) + '</functions><|im_end|>\\n' -}}"
-    "{%- endif -%}"
-)
-_DEFAULT_SYSTEM_RELEASE = (
-    "{{- '<|im_start|>system\\n" + OLMO_IDENTITY + " ' -}}"
-    "{%- if tools -%}"
-    "{{- '" + FUNCTIONS_PREAMBLE + "<functions>' + (tools | tojson) + '</functions>' -}}"
-    "{%- else -%}"
-    "{{- '" + NO_FUNCTIONS + "' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-)
-
-_TEMPLATE = (
-    "{%- set ns = namespace(has_system=false) -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{%- set ns.has_system = true -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if not ns.has_system -%}__DEFAULT_SYSTEM__{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{{- '<|im_start|>system\\n' + message['content'] -}}"
-    "{%- if tools -%}{{- '<functions>' + (tools | tojson) + '</functions>' -}}"
-    "{%- elif message.get('functions') is not none -%}{{- ' <functions>' + message['functions'] + '</functions>' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message['role'] == 'user' -%}"
-    "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
+# Written as one line per Jinja statement (joined without separators, so the rendered text is the
+# same as the released one-line templates). `__SYSTEM__` and `__THINK__` are filled in by `_build`.
+_TEMPLATE_LINES = [
+    "{%- set has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0 -%}",
+    "{%- if not has_system -%}",
+    "{{- '<|im_start|>system\\n__SYSTEM__ ' -}}",
+    "{%- if tools is none or (tools | length) == 0 -%}",
+    "{{- '" + NO_FUNCTIONS + "<|im_end|>\\n' -}}",
+    "{%- else -%}",
+    "{{- '" + FUNCTIONS_PREAMBLE + "' -}}",
+    "{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions><|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if message['role'] == 'system' -%}",
+    "{{- '<|im_start|>system\\n' + message['content'] -}}",
+    "{%- if tools is not none -%}",
+    "{{- '<functions>' -}}{{- tools | tojson -}}{{- '</functions>' -}}",
+    "{%- elif message.get('functions', none) is not none -%}",
+    "{{- ' <functions>' + message['functions'] + '</functions>' -}}",
+    "{%- endif -%}",
+    "{{- '<|im_end|>\\n' -}}",
+    "{%- elif message['role'] == 'user' -%}",
+    "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}",
+    "{%- elif message['role'] == 'assistant' -%}",
+    "{%- set has_function_calls = message.get('function_calls', none) is not none and (message['function_calls'] | length) > 0 -%}",
+    "{%- set has_tool_calls = message.get('tool_calls', none) is not none and (message['tool_calls'] | length) > 0 -%}",
+    "{{- '<|im_start|>assistant\\n' -}}",
     # Seed 002: the block starts after the header and before any generated <think>; it covers
-    # reasoning, answer, tool calls and the closing token. Inter-turn whitespace stays outside.
-    "{%- generation -%}"
-    "{%- if message.get('reasoning_content') is not none -%}"
-    "{{- '<think>' + message['reasoning_content'] + '</think>' -}}"
-    "{%- endif -%}"
-    "{%- if message.get('content') is not none -%}{{- message['content'] -}}{%- endif -%}"
-    "{%- if message.get('function_calls') is not none -%}"
-    "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}"
-    "{%- elif message.get('tool_calls') -%}"
-    "{{- '<function_calls>' -}}"
-    "{%- for tool_call in message['tool_calls'] -%}"
-    "{%- set call = tool_call['function'] if tool_call.get('function') is not none else tool_call -%}"
-    "{%- if call['arguments'] is mapping -%}"
-    "{%- set args = namespace(items=[]) -%}"
-    "{%- for key, value in call['arguments'].items() -%}"
-    "{%- set args.items = args.items + [key ~ '=' ~ (value | tojson)] -%}"
-    "{%- endfor -%}"
-    "{{- call['name'] + '(' + (args.items | join(', ')) + ')' -}}"
-    "{%- else -%}"
-    "{{- call['name'] + '(' + (call['arguments'] | string) + ')' -}}"
-    "{%- endif -%}"
-    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{{- '</function_calls>' -}}"
-    "{%- endif -%}"
-    "{%- if loop.last -%}{{- eos_token -}}{%- else -%}{{- '<|im_end|>' -}}{%- endif -%}"
-    "{%- endgeneration -%}"
-    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}"
-    "{%- elif message['role'] == 'tool' or message['role'] == 'environment' -%}"
-    "{{- '<|im_start|>environment\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n__THINK__' -}}{%- endif -%}"
-)
+    # reasoning, answer, tool calls and the closing token. The separator `\n` stays outside.
+    "{%- generation -%}",
+    "{%- if message.get('reasoning_content', none) is not none -%}",
+    "{{- '<think>' + message['reasoning_content'] + '</think>' -}}",
+    "{%- endif -%}",
+    "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}",
+    "{%- if has_function_calls -%}",
+    "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}",
+    "{%- elif has_tool_calls -%}",
+    "{{- '<function_calls>' -}}",
+    "{%- for tool_call in message['tool_calls'] -%}",
+    "{%- set call = tool_call['function'] if (tool_call is mapping and tool_call.get('function', none) is mapping) else tool_call -%}",
+    "{%- if call is mapping and call.get('name', none) is not none -%}",
+    "{%- set args = call.get('arguments', none) -%}",
+    "{%- if args is mapping -%}",
+    "{%- set ns = namespace(arguments_list=[]) -%}",
+    "{%- for key, value in args.items() -%}",
+    "{%- set ns.arguments_list = ns.arguments_list + [key ~ '=' ~ (value | tojson)] -%}",
+    "{%- endfor -%}",
+    "{{- call['name'] + '(' + (ns.arguments_list | join(', ')) + ')' -}}",
+    "{%- elif args is none -%}",
+    "{{- call['name'] + '()' -}}",
+    "{%- else -%}",
+    "{{- call['name'] + '(' + (args | string) + ')' -}}",
+    "{%- endif -%}",
+    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}",
+    "{%- else -%}",
+    "{{- tool_call -}}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{{- '</function_calls>' -}}",
+    "{%- endif -%}",
+    # A tool call hands off with <|im_end|> (even as the final message); a final answer ends with eos.
+    "{%- if has_function_calls or has_tool_calls or not loop.last -%}",
+    "{{- '<|im_end|>' -}}",
+    "{%- else -%}",
+    "{{- eos_token -}}",
+    "{%- endif -%}",
+    "{%- endgeneration -%}",
+    "{%- if has_function_calls or has_tool_calls or not loop.last -%}{{- '\\n' -}}{%- endif -%}",
+    "{%- elif message['role'] == 'environment' or message['role'] == 'tool' -%}",
+    "{{- '<|im_start|>environment\\n' + message['content'] + '<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- if loop.last and add_generation_prompt -%}",
+    "{{- '<|im_start|>assistant\\n__THINK__' -}}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+]
 
 
 def _build(release: bool, think: bool) -> str:
-    default_system = _DEFAULT_SYSTEM_RELEASE if release else _DEFAULT_SYSTEM_DEV
-    return _TEMPLATE.replace("__DEFAULT_SYSTEM__", default_system).replace("__THINK__", "<think>" if think else "")
+    return ("".join(_TEMPLATE_LINES)
+            .replace("__SYSTEM__", OLMO_IDENTITY if release else DEV_SYSTEM)
+            .replace("__THINK__", "<think>" if think else ""))
 
 
 TEMPLATES: dict[str, str] = {
@@ -112,28 +235,75 @@ TEMPLATES: dict[str, str] = {
 }
 
 
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _dir_templates(path: str) -> tuple[str | None, str | None]:
+    """(chat_template.jinja text, tokenizer_config.json `chat_template`) of a tokenizer directory."""
+    jinja_path, config_path = os.path.join(path, "chat_template.jinja"), os.path.join(path, "tokenizer_config.json")
+    jinja = _read_text(jinja_path) if os.path.isfile(jinja_path) else None
+    config = None
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f).get("chat_template")
+        if isinstance(config, list):  # the older list-of-named-templates form
+            config = {t.get("name"): t.get("template") for t in config}.get("default")
+    return jinja, config
+
+
 def get_template(name_or_path: str) -> str:
-    """A template by name, from a `.jinja` file, or from a tokenizer directory (the `.jinja` file wins)."""
+    """A template by name, from a `.jinja` file, or from a tokenizer directory (the `.jinja` file wins).
+
+    Jinja source itself (anything containing `{%` or `{{`) is returned as is.
+    """
+    if not isinstance(name_or_path, str):
+        raise ValueError(f"a template name or path must be a string, got {type(name_or_path).__name__}")
     if name_or_path in TEMPLATES:
         return TEMPLATES[name_or_path]
+    if "{%" in name_or_path or "{{" in name_or_path:
+        return name_or_path
     if os.path.isfile(name_or_path):
-        with open(name_or_path) as f:
-            return f.read()
-    jinja = os.path.join(name_or_path, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja) as f:
-            return f.read()
-    config = os.path.join(name_or_path, "tokenizer_config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            template = json.load(f).get("chat_template")
-        if template:
+        if name_or_path.endswith(".json"):  # a tokenizer_config.json itself
+            with open(name_or_path, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+            if not isinstance(template, str) or not template:
+                raise ValueError(f"{name_or_path} has no chat_template string")
             return template
+        return _read_text(name_or_path)
+    if os.path.isdir(name_or_path):
+        jinja, config = _dir_templates(name_or_path)
+        if jinja is not None or config:
+            return jinja if jinja is not None else config
     raise ValueError(f"unknown template {name_or_path!r}: not one of {sorted(TEMPLATES)}, a .jinja file or a tokenizer dir")
 
 
+def has_generation_blocks(template: str) -> bool:
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def _render(template: str, messages, tools=None, add_generation_prompt=False, special_tokens=None):
+    """(text, generation char ranges). Plumbing over transformers' internal renderer (see docstring)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    kwargs = dict(special_tokens or {"eos_token": DEFAULT_EOS, "bos_token": DEFAULT_EOS})
+    texts, ranges = render_jinja_template(
+        conversations=[messages], tools=tools, chat_template=template, return_assistant_tokens_mask=True,
+        add_generation_prompt=add_generation_prompt, **kwargs)
+    return texts[0], [tuple(r) for r in ranges[0]]
+
+
+def render(messages, template: str = "olmo3-instruct-dev", tools=None, add_generation_prompt: bool = False,
+           eos_token: str = DEFAULT_EOS) -> str:
+    """Rendered text of a conversation, the way training sees it (tool calls normalized)."""
+    messages, tools = _normalize(messages, tools)
+    return _render(get_template(template), messages, tools, add_generation_prompt,
+                   {"eos_token": eos_token, "bos_token": eos_token})[0]
+
+
 # ---------------------------------------------------------------------------------------------
-# Messages -> input_ids + labels
+# Validation and normalization
 # ---------------------------------------------------------------------------------------------
 class DroppedRow(Exception):
     """A row that cannot be trained on; `reason` is the counter key."""
@@ -143,139 +313,940 @@ class DroppedRow(Exception):
         self.reason = reason
 
 
+ROLES = ("system", "user", "assistant", "tool", "environment")
+
+
 def validate_messages(messages) -> None:
-    if not isinstance(messages, list) or not messages:
+    """Raise DroppedRow for anything the templates cannot render faithfully. Never raises anything else."""
+    if not isinstance(messages, (list, tuple)) or len(messages) == 0:
         raise DroppedRow("empty_conversation")
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool", "environment"):
-            raise DroppedRow("bad_role")
+        if not isinstance(message, dict):
+            raise DroppedRow("bad_message", f"not a dict: {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise DroppedRow("bad_role", repr(role)[:50])
         content = message.get("content")
         if content is not None and not isinstance(content, str):
-            raise DroppedRow("non_string_content")
-        if content is None and message["role"] != "assistant":
-            raise DroppedRow("missing_content")
+            raise DroppedRow("non_string_content", f"{role}: {type(content).__name__}")
+        for key in ("reasoning_content", "function_calls", "functions"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise DroppedRow("non_string_content", f"{role}.{key}: {type(message[key]).__name__}")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None and not isinstance(tool_calls, (list, tuple)):
+            raise DroppedRow("bad_tool_call", "tool_calls is not a list")
+        if content is None:
+            has_other = any(message.get(k) for k in ("tool_calls", "function_calls", "reasoning_content"))
+            if role != "assistant" or not has_other:
+                raise DroppedRow("missing_content", role)
+
+
+def _strip_none(value):
+    """Drop None values from dicts, recursively (Arrow fills absent struct keys with None)."""
+    if isinstance(value, dict):
+        return {k: _strip_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_none(v) for v in value]
+    return value
+
+
+def _normalize(messages, tools=None, from_arrow=False):
+    """Copies with tool calls in the `{"function": {"name", "arguments": dict}}` form and tools as a list."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError:
+            raise DroppedRow("bad_tools", "tools is a string but not JSON") from None
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+            raise DroppedRow("bad_tools", "tools must be a list of JSON schemas")
+        tools = [_strip_none(t) if from_arrow else t for t in tools]
+    if not isinstance(messages, (list, tuple)):
+        return messages, tools
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not message.get("tool_calls"):
+            out.append(message)
+            continue
+        message = dict(message)
+        calls = []
+        for call in message["tool_calls"]:
+            if not isinstance(call, dict):
+                raise DroppedRow("bad_tool_call", f"tool call is a {type(call).__name__}")
+            fn = call.get("function") if isinstance(call.get("function"), dict) else call
+            name, args = fn.get("name"), fn.get("arguments")
+            if not isinstance(name, str) or not name:
+                raise DroppedRow("bad_tool_call", "tool call without a name")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise DroppedRow("bad_tool_call", "arguments string is not JSON") from None
+            if args is None:
+                args = {}
+            if not isinstance(args, dict):
+                raise DroppedRow("bad_tool_call", "arguments is not a JSON object")
+            if from_arrow:
+                args = {k: v for k, v in args.items() if v is not None}
+            calls.append({**({k: v for k, v in call.items() if k != "function"} if "function" in call else {}),
+                          "type": call.get("type") or "function", "function": {"name": name, "arguments": args}})
+        message["tool_calls"] = calls
+        out.append(message)
+    return out, tools
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages -> input_ids + labels
+# ---------------------------------------------------------------------------------------------
+def _special_tokens(tokenizer) -> dict:
+    """What transformers passes to the template: bos_token, eos_token, pad_token, ... as strings."""
+    out = {}
+    for key, value in getattr(tokenizer, "special_tokens_map", {}).items():
+        out[key] = value if isinstance(value, (str, list)) else str(value)
+    out.setdefault("eos_token", tokenizer.eos_token or DEFAULT_EOS)
+    return out
+
+
+def _resolve_template(tokenizer, chat_template) -> str:
+    if chat_template:
+        return get_template(chat_template)
+    if getattr(tokenizer, "chat_template", None):
+        template = tokenizer.chat_template
+        return template if isinstance(template, str) else template.get("default")
+    raise ValueError("no chat template: pass chat_template= or use a tokenizer that has one")
+
+
+def _all_special_strings(tokenizer) -> list[str]:
+    """Special-token strings (longest first) for the checks after a block."""
+    specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            specials.add(str(tok))
+    specials.update({IM_START, IM_END})
+    return sorted((s for s in specials if s), key=len, reverse=True)
+
+
+def _label_conversation(tokenizer, messages, tools=None, template=None, only_last_turn=False,
+                        warnings=None) -> dict:
+    """Core labeling: returns text, input_ids, offsets (token start chars), mask and the labeled char ranges.
+
+    Raises DroppedRow with the reason when a row's trained span cannot be established safely.
+    """
+    special = _special_tokens(tokenizer)
+    eos = special["eos_token"]
+
+    def render_or_drop(*args):
+        try:
+            return _render(*args)
+        except Exception as e:  # noqa: BLE001 - e.g. an external template's raise_exception()
+            raise DroppedRow("render_error", f"{type(e).__name__}: {e}") from None
+
+    full, ranges = render_or_drop(template, messages, tools, False, special)
+    if has_generation_blocks(template):
+        if sorted(ranges) != ranges or any(not (0 <= a <= b <= len(full)) for a, b in ranges) or any(
+                ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
+            raise DroppedRow("bad_generation_ranges", str(ranges)[:200])
+        ranges = [(a, b) for a, b in ranges if b > a]
+        if only_last_turn:
+            # Seed 002, external-template last-turn labeling: blocks between the stable render before the
+            # final assistant message and the render through it. Ownership comes from position, never
+            # from counting blocks against messages.
+            before = render_or_drop(template, messages[:-1], tools, False, special)[0]
+            if not full.startswith(before):
+                raise DroppedRow("unstable_render", "the render before the final message is not a prefix")
+            boundary = len(before)
+            if any(a < boundary < b for a, b in ranges):
+                raise DroppedRow("ambiguous_block_ownership", "a block straddles the final message's start")
+            ranges = [(a, b) for a, b in ranges if a >= boundary]
+            if ranges and ranges[0][0] == boundary and warnings is not None:
+                warnings["block_covers_header"] += 1  # the block starts with the final turn: header trains
+        if not ranges:
+            raise DroppedRow("no_generation_block")
+        specials = _all_special_strings(tokenizer)
+        for a, b in ranges:
+            after = full[b:]
+            stripped = after.lstrip()
+            if (eos and stripped.startswith(eos)) or stripped.startswith(IM_END):
+                raise DroppedRow("closing_token_outside_block", repr(after[:20]))
+            hit = next((s for s in specials if after.startswith(s)), None)
+            if hit is not None and warnings is not None:
+                warnings[f"special_token_after_block:{hit}"] += 1
+                if warnings[f"special_token_after_block:{hit}"] == 1:
+                    logger.warning("special token %r right after a generation block: a missing terminator, "
+                                   "or a correctly masked next header? (logged once)", hit)
+    else:
+        # Prefix labeling (templates without blocks): train everything after the generation prompt of
+        # the final assistant message. Known limitation: it masks whatever the generation prompt adds.
+        before = render_or_drop(template, messages[:-1], tools, False, special)[0]
+        prompt = render_or_drop(template, messages[:-1], tools, True, special)[0]
+        if not full.startswith(before):
+            raise DroppedRow("unstable_render", "the render before the final message is not a prefix")
+        if not full.startswith(prompt):
+            raise DroppedRow("prompt_not_prefix", "the generation prompt does not start the final turn")
+        if len(full) == len(prompt):
+            raise DroppedRow("empty_completion")
+        ranges = [(len(prompt), len(full))]
+        if not only_last_turn and warnings is not None and sum(m.get("role") == "assistant" for m in messages) > 1:
+            warnings["prefix_labeling_last_turn_only"] += 1
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = list(enc["input_ids"]), _token_starts(enc["offset_mapping"])
+    mask, r = [], 0
+    for start in offsets:
+        while r < len(ranges) and start >= ranges[r][1]:
+            r += 1
+        mask.append(1 if r < len(ranges) and ranges[r][0] <= start < ranges[r][1] else 0)
+    if not any(mask):
+        raise DroppedRow("no_trained_tokens")
+    return {"text": full, "input_ids": input_ids, "offsets": offsets, "mask": mask, "ranges": ranges}
+
+
+def _token_starts(offset_mapping) -> list[int]:
+    """First character of each token. A ByteLevel post-processor with `trim_offsets` moves a token's
+    start past its leading whitespace (a lone " " token becomes empty): extend each start back over
+    any gap to the previous token's end, so whitespace is owned by the token that holds it."""
+    starts, prev_end = [], 0
+    for start, end in offset_mapping:
+        starts.append(prev_end if prev_end < start else int(start))
+        prev_end = max(prev_end, int(end))
+    return starts
+
+
+def _terminator_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return {i for i in ids if i is not None}
+
+
+OVER_LENGTH_STRATEGIES = ("drop", "terminate", "truncate")
+
+
+def apply_over_length(tokenizer, input_ids, labels, max_length, over_length_strategy="drop"):
+    """`drop`, `terminate` (left truncation, intact tail) or `truncate` (right truncation); see module doc."""
+    if over_length_strategy not in OVER_LENGTH_STRATEGIES:
+        raise ValueError(f"unknown over_length_strategy {over_length_strategy!r} {OVER_LENGTH_STRATEGIES}")
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}")
+    if max_length is None or len(input_ids) <= max_length:
+        return input_ids, labels
+    if over_length_strategy == "drop":
+        raise DroppedRow("over_length")
+    if over_length_strategy == "terminate":
+        input_ids, labels = list(input_ids[-max_length:]), list(labels[-max_length:])
+        trained = [i for i, label in enumerate(labels) if label != -100]
+        if not trained:
+            raise DroppedRow("over_length")
+        last = trained[-1]
+        if input_ids[last] not in _terminator_ids(tokenizer):  # never overwrite an existing hand-off
+            input_ids[last] = labels[last] = tokenizer.eos_token_id
+        return input_ids, labels
+    return list(input_ids[:max_length]), list(labels[:max_length])  # truncate
 
 
 def tokenize_messages(tokenizer, messages, tools=None, chat_template=None, max_length=None,
-                      over_length_strategy="drop", only_last_turn=False) -> dict:
+                      over_length_strategy="drop", only_last_turn=False, warnings=None) -> dict:
     """Render `messages` and return `input_ids` and `labels` (-100 where a token is not trained).
 
-    Labels come from the template's `{% generation %}` blocks. `only_last_turn` trains the final
-    assistant turn only (preference data). Raises `DroppedRow` for rows that cannot be used.
+    Labels come from the template's `{% generation %}` blocks (prefix labeling for templates without
+    them). `only_last_turn` trains the final assistant turn only (preference data). Raises
+    `DroppedRow` for rows that cannot be used; `warnings` (a Counter) collects non-fatal findings.
     """
+    apply_over_length(tokenizer, [], [], max_length, over_length_strategy)  # a bad setting fails on every row
     validate_messages(messages)
     if messages[-1]["role"] != "assistant":
         raise DroppedRow("no_final_assistant")
-    template = get_template(chat_template) if chat_template else None
-    out = tokenizer.apply_chat_template(
-        messages, tools=tools, chat_template=template, tokenize=True, return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
-    input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    if not any(mask):
-        raise DroppedRow("no_generation_block")
-    if only_last_turn:
-        # The last trained span is the final assistant message (one block per assistant message).
-        end = len(mask)
-        while end > 0 and not mask[end - 1]:
-            end -= 1
-        start = end
-        while start > 0 and mask[start - 1]:
-            start -= 1
-        mask = [1 if start <= i < end else 0 for i in range(len(mask))]
-    labels = [t if m else -100 for t, m in zip(input_ids, mask)]
-    if max_length is not None and len(input_ids) > max_length:
-        if over_length_strategy == "drop":
-            raise DroppedRow("over_length")
-        elif over_length_strategy == "truncate":
-            input_ids, labels = input_ids[:max_length], labels[:max_length]
-        else:
-            raise ValueError(f"unknown over_length_strategy {over_length_strategy!r}")
+    messages, tools = _normalize(messages, tools)
+    template = _resolve_template(tokenizer, chat_template)
+    out = _label_conversation(tokenizer, messages, tools, template, only_last_turn, warnings)
+    labels = [t if m else -100 for t, m in zip(out["input_ids"], out["mask"])]
+    input_ids, labels = apply_over_length(tokenizer, out["input_ids"], labels, max_length, over_length_strategy)
     return {"input_ids": input_ids, "labels": labels}
 
 
 def tokenize_prompt(tokenizer, messages, tools=None, chat_template=None) -> list[int]:
     """Prompt tokens with the generation prompt appended (RLVR, evaluation)."""
     validate_messages(messages)
-    template = get_template(chat_template) if chat_template else None
-    return list(tokenizer.apply_chat_template(
-        messages, tools=tools, chat_template=template, tokenize=True, add_generation_prompt=True,
-        return_dict=True,
-    )["input_ids"])
+    messages, tools = _normalize(messages, tools)
+    template = _resolve_template(tokenizer, chat_template)
+    try:
+        text = _render(template, messages, tools, True, _special_tokens(tokenizer))[0]
+    except Exception as e:  # noqa: BLE001 - e.g. an external template's raise_exception()
+        raise DroppedRow("render_error", f"{type(e).__name__}: {e}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # ---------------------------------------------------------------------------------------------
-# Datasets
+# Datasets: loading a mixture
 # ---------------------------------------------------------------------------------------------
 def _load_source(name: str, split: str) -> datasets.Dataset:
     if os.path.isfile(name):
-        ext = name.rsplit(".", 1)[-1]
+        ext = name.rsplit(".", 1)[-1].lower()
         kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
         if kind is None:
             raise ValueError(f"unsupported data file {name!r} (use .jsonl, .json or .parquet)")
         return datasets.load_dataset(kind, data_files=name, split="train")
+    if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
+        ds = datasets.load_from_disk(name)
+        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
     return datasets.load_dataset(name, split=split)
 
 
+def _parse_amount(amount) -> tuple[str, float]:
+    """`"0.5"` / `"3.0"` -> fraction (above 1 upsamples), `"500"` -> row count (open-instruct's convention)."""
+    text = str(amount).strip()
+    if re.fullmatch(r"\d+", text):
+        return "count", float(int(text))
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"negative amount {amount!r}")
+    return "fraction", value
+
+
 def load_mixture(mixer_list: list[str], split: str = "train", seed: int = 0) -> datasets.Dataset:
-    """`["a.jsonl", "1.0", "org/b", "500"]` -> one shuffled dataset: a fraction (<= 1) or a row count per source."""
-    if len(mixer_list) % 2:
+    """`["a.jsonl", "1.0", "org/b", "500"]` -> one shuffled dataset with a `source` column.
+
+    A decimal amount is a fraction of the source (`"0.5"`; `"3.0"` repeats it three times); an integer
+    is a row count (repeating the source when it has fewer rows).
+    """
+    if len(mixer_list) % 2 or not mixer_list:
         raise ValueError(f"dataset mixer list needs (source, fraction_or_count) pairs, got {mixer_list}")
     parts = []
     for name, amount in zip(mixer_list[0::2], mixer_list[1::2]):
         ds = _load_source(name, split)
-        amount = float(amount)
-        n = int(round(amount * len(ds))) if amount <= 1.0 else int(amount)
-        if n > len(ds):
-            raise ValueError(f"{name}: asked for {n} rows, it has {len(ds)}")
-        ds = ds.shuffle(seed=seed).select(range(n))
-        ds = ds.add_column("source", [name] * len(ds))
-        parts.append(ds)
-    return datasets.concatenate_datasets(parts).shuffle(seed=seed)
+        kind, value = _parse_amount(amount)
+        n = int(value) if kind == "count" else int(value * len(ds))
+        if len(ds) == 0 and n > 0:
+            raise ValueError(f"{name}: empty source")
+        shuffled = ds.shuffle(seed=seed)
+        full, rest = divmod(n, len(ds)) if len(ds) else (0, 0)
+        pieces = [shuffled] * full + ([shuffled.select(range(rest))] if rest else [])
+        ds = datasets.concatenate_datasets(pieces) if len(pieces) > 1 else (pieces[0] if pieces else shuffled.select([]))
+        if "source" in ds.column_names:
+            ds = ds.remove_columns("source")
+        parts.append(ds.add_column("source", [name] * len(ds)))
+        logger.info("mixture: %s -> %d rows (%s %s)", name, len(ds), kind, amount)
+    try:
+        mixed = datasets.concatenate_datasets(parts)
+    except ValueError:  # different features (e.g. one source has `tools`): unify through Python rows
+        mixed = datasets.Dataset.from_list([row for part in parts for row in part])
+    return mixed.shuffle(seed=seed)
 
 
-def _tokenize_rows(dataset, fn) -> tuple[datasets.Dataset, collections.Counter]:
-    rows, drops = [], collections.Counter()
+# ---------------------------------------------------------------------------------------------
+# Datasets: tokenization with drop counts and an on-disk cache
+# ---------------------------------------------------------------------------------------------
+class DropCounts(collections.Counter):
+    """Dropped rows per reason. Also: `cache_hit`, `cache_path`, `total`, `kept`, `warnings` (a Counter)."""
+
+    cache_hit: bool = False
+    cache_path: str | None = None
+    total: int = 0
+    kept: int = 0
+    warnings: collections.Counter = None
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("OLMO3_POSTTRAIN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "olmo3_posttrain", "tokenized")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of what decides token ids: the backend tokenizer (vocab, merges, added tokens, pre-tokenizer) and special tokens."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(_special_tokens(tokenizer), sort_keys=True, default=str).encode())
+    h.update(json.dumps(sorted((i, str(t)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()
+
+
+def _source_hash() -> str:
+    with open(os.path.abspath(__file__), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _data_fingerprint(dataset) -> str:
+    fingerprint = getattr(dataset, "_fingerprint", None)
+    if fingerprint:  # datasets' fingerprint: content-based for in-memory data, file + transforms otherwise
+        return fingerprint
+    h = hashlib.sha256()
     for row in dataset:
-        try:
-            rows.append(fn(row))
-        except DroppedRow as e:
-            drops[e.reason] += 1
-    if drops:
-        logger.warning("dropped %d of %d rows: %s", sum(drops.values()), len(dataset), dict(drops))
-    return datasets.Dataset.from_list(rows), drops
+        h.update(json.dumps(row, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
 
 
-def tokenize_sft(dataset, tokenizer, max_length, over_length_strategy="drop", chat_template=None):
-    """Rows with `messages` -> `input_ids`, `labels`."""
-    return _tokenize_rows(dataset, lambda row: tokenize_messages(
-        tokenizer, row["messages"], tools=row.get("tools"), chat_template=chat_template,
-        max_length=max_length, over_length_strategy=over_length_strategy))
+def _tokenize_dataset(dataset, tokenizer, kind, row_fn, settings, columns, cache_dir=None, num_proc=None):
+    """Map `row_fn` over rows, count drops by reason, cache the result (plumbing shared by the three helpers).
 
+    `row_fn(row, warnings) -> dict` returns the output columns or raises DroppedRow. Any other
+    exception from a malformed row is counted as `error_<ExceptionType>`, never raised.
+    """
+    if not isinstance(dataset, datasets.Dataset):
+        dataset = list(dataset)
+    template = settings.get("chat_template_source")
+    key = hashlib.sha256(json.dumps({
+        "kind": kind, "data": _data_fingerprint(dataset), "tokenizer": tokenizer_fingerprint(tokenizer),
+        "template": template, "settings": {k: v for k, v in settings.items() if k != "chat_template_source"},
+        "code": _source_hash(), "datasets": datasets.__version__,
+    }, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+    path = os.path.join(cache_dir, f"{kind}-{key}") if cache_dir else None
+    stats = DropCounts()
+    if path and os.path.isfile(os.path.join(path, "drops.json")):
+        with open(os.path.join(path, "drops.json")) as f:
+            meta = json.load(f)
+        stats.update(meta["drops"])
+        stats.cache_hit, stats.cache_path, stats.total, stats.kept = True, path, meta["total"], meta["kept"]
+        stats.warnings = collections.Counter(meta.get("warnings", {}))
+        logger.info("tokenize %s: cache hit %s (%d rows kept, %d dropped: %s)", kind, path, stats.kept,
+                    sum(stats.values()), dict(stats))
+        return datasets.load_from_disk(path), stats
 
-def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="drop", chat_template=None):
-    """Rows with `chosen` / `rejected` message lists -> token ids and labels on the final assistant turn."""
     def fn(row):
-        out = {}
+        warnings = collections.Counter()
+        try:
+            if not isinstance(row, collections.abc.Mapping):
+                raise DroppedRow("bad_row", type(row).__name__)
+            out = row_fn(row, warnings)
+            reason = ""
+        except DroppedRow as e:
+            out, reason = {}, e.reason
+        except Exception as e:  # a malformed row must never crash the run
+            out, reason = {}, f"error_{type(e).__name__}"
+            logger.debug("row failed: %r", e)
+        result = {c: out.get(c) for c in columns}
+        result["_drop"], result["_warnings"] = reason, json.dumps(warnings) if warnings else ""
+        return result
+
+    if isinstance(dataset, datasets.Dataset):
+        if num_proc is None:
+            num_proc = min(os.cpu_count() or 1, 8) if len(dataset) >= 20000 else None
+        # With a cache, intermediate Arrow files go to a scratch dir next to it (big mixtures do not fit
+        # in memory); without one, everything stays in memory.
+        work = tempfile.mkdtemp(prefix=".work-", dir=_makedirs(cache_dir)) if path else None
+        files = {"keep_in_memory": True} if work is None else {}
+        mapped = dataset.map(fn, remove_columns=dataset.column_names, num_proc=num_proc, load_from_cache_file=False,
+                             new_fingerprint=f"{kind}-{key}", desc=f"tokenize {kind}",
+                             **(files or {"cache_file_name": os.path.join(work, "map.arrow")}))
+        reasons, warning_strings = mapped["_drop"], mapped["_warnings"]
+        kept = mapped.filter(lambda r: r == "", input_columns="_drop", load_from_cache_file=False,
+                             **(files or {"cache_file_name": os.path.join(work, "filter.arrow")}))
+        kept = kept.remove_columns(["_drop", "_warnings"])
+    else:  # plain Python rows (any shape, even ones Arrow could not hold)
+        results = [fn(row) for row in dataset]
+        reasons, warning_strings = [r["_drop"] for r in results], [r["_warnings"] for r in results]
+        kept_rows = [{c: r[c] for c in columns} for r in results if not r["_drop"]]
+        kept = datasets.Dataset.from_list(kept_rows) if kept_rows else datasets.Dataset.from_dict({c: [] for c in columns})
+    drops = collections.Counter(r for r in reasons if r)
+    warnings = collections.Counter()
+    for w in warning_strings:
+        if w:
+            warnings.update(json.loads(w))
+    stats.update(drops)
+    stats.total, stats.kept, stats.warnings = len(dataset), len(kept), warnings
+    if drops:
+        logger.warning("tokenize %s: dropped %d of %d rows: %s", kind, sum(drops.values()), len(dataset), dict(drops))
+    if warnings:
+        logger.warning("tokenize %s: warnings: %s", kind, dict(warnings))
+    if len(kept) == 0 and len(dataset):
+        logger.error("tokenize %s: every row was dropped", kind)
+    if path:
+        tmp = tempfile.mkdtemp(prefix=f".{kind}-{key}-", dir=_makedirs(cache_dir))
+        try:
+            kept.save_to_disk(tmp)
+            with open(os.path.join(tmp, "drops.json"), "w") as f:
+                json.dump({"drops": drops, "warnings": warnings, "total": len(dataset), "kept": len(kept),
+                           "settings": {k: v for k, v in settings.items() if k != "chat_template_source"}},
+                          f, indent=2, default=str)
+            os.rename(tmp, path)  # atomic; another process may have won the race, which is fine
+            logger.info("tokenize %s: %d of %d rows kept, cached at %s", kind, len(kept), len(dataset), path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(path):
+            stats.cache_path = path
+            kept = datasets.load_from_disk(path)
+        if isinstance(dataset, datasets.Dataset):
+            shutil.rmtree(work, ignore_errors=True)
+    return kept, stats
+
+
+def _makedirs(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def tokenize_sft(dataset, tokenizer, max_length, over_length_strategy="drop", chat_template=None,
+                 cache_dir=None, num_proc=None):
+    """Rows with `messages` (and optional `tools`) -> `input_ids`, `labels`; plus a DropCounts."""
+    apply_over_length(tokenizer, [], [], max_length, over_length_strategy)  # fail fast on bad settings
+    template = _resolve_template(tokenizer, chat_template)
+
+    def row_fn(row, warnings):
+        messages, tools = _normalize(row.get("messages"), row.get("tools"), from_arrow=True)
+        return tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template,
+                                 max_length=max_length, over_length_strategy=over_length_strategy, warnings=warnings)
+
+    settings = {"max_length": max_length, "over_length_strategy": over_length_strategy, "chat_template_source": template}
+    return _tokenize_dataset(dataset, tokenizer, "sft", row_fn, settings, ["input_ids", "labels"], cache_dir, num_proc)
+
+
+def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="drop", chat_template=None,
+                        cache_dir=None, num_proc=None):
+    """Rows with `chosen` / `rejected` message lists -> ids and labels on the final assistant turn only.
+
+    Full conversations (Dolci / open-instruct style) or a `prompt` message list with completion-only
+    `chosen` / `rejected` (TRL style). Labels use last-turn labeling (see the module docstring).
+    """
+    apply_over_length(tokenizer, [], [], max_length, over_length_strategy)  # fail fast on bad settings
+    template = _resolve_template(tokenizer, chat_template)
+
+    def row_fn(row, warnings):
+        out, prompt = {}, row.get("prompt")
         for key in ("chosen", "rejected"):
-            t = tokenize_messages(tokenizer, row[key], chat_template=chat_template, max_length=max_length,
-                                  over_length_strategy=over_length_strategy, only_last_turn=True)
+            if key not in row:
+                raise DroppedRow(f"missing_{key}")
+            messages = row.get(key)
+            # TRL-style rows: `prompt` messages plus completion-only `chosen` / `rejected`.
+            if isinstance(prompt, list) and isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+                    and messages[0].get("role") == "assistant":
+                messages = prompt + messages
+            messages, tools = _normalize(messages, row.get("tools"), from_arrow=True)
+            t = tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template, max_length=max_length,
+                                  over_length_strategy=over_length_strategy, only_last_turn=True, warnings=warnings)
             out[f"{key}_input_ids"], out[f"{key}_labels"] = t["input_ids"], t["labels"]
         return out
-    return _tokenize_rows(dataset, fn)
+
+    settings = {"max_length": max_length, "over_length_strategy": over_length_strategy, "chat_template_source": template}
+    columns = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
+    return _tokenize_dataset(dataset, tokenizer, "preference", row_fn, settings, columns, cache_dir, num_proc)
 
 
-def tokenize_rlvr(dataset, tokenizer, max_prompt_length, chat_template=None):
-    """Rows with `messages` (prompt), `ground_truth`, `verifier` -> `prompt_input_ids` + the labels."""
-    def fn(row):
-        messages = row["messages"]
-        if messages and messages[-1].get("role") == "assistant":
+def tokenize_rlvr(dataset, tokenizer, max_prompt_length, chat_template=None, over_length_strategy="drop",
+                  cache_dir=None, num_proc=None):
+    """Rows with `messages` (prompt), `ground_truth`, `verifier` -> `prompt_input_ids` (generation prompt added).
+
+    A trailing assistant message is removed (it is the reference answer, not part of the prompt).
+    Over-long prompts are dropped, or right-truncated with `over_length_strategy="truncate"`.
+    Also kept: `dataset` (the row's `dataset` or `source` column, for per-source metrics).
+    """
+    template = _resolve_template(tokenizer, chat_template)
+    if over_length_strategy not in ("drop", "truncate"):
+        raise ValueError(f"RL prompts support over_length_strategy drop or truncate, not {over_length_strategy!r}")
+
+    def row_fn(row, warnings):
+        messages = row.get("messages")
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+                and messages[-1].get("role") == "assistant":
             messages = messages[:-1]
-        ids = tokenize_prompt(tokenizer, messages, chat_template=chat_template)
-        if len(ids) > max_prompt_length:
-            raise DroppedRow("over_length")
+        messages, tools = _normalize(messages, row.get("tools"), from_arrow=True)
         if row.get("ground_truth") is None:
             raise DroppedRow("missing_ground_truth")
-        return {"prompt_input_ids": ids, "ground_truth": row["ground_truth"],
-                "verifier": row.get("verifier") or row.get("dataset") or "math"}
-    return _tokenize_rows(dataset, fn)
+        ids = tokenize_prompt(tokenizer, messages, tools=tools, chat_template=chat_template)
+        if len(ids) > max_prompt_length:
+            if over_length_strategy == "drop":
+                raise DroppedRow("over_length")
+            ids = ids[:max_prompt_length]
+        verifier = row.get("verifier") or row.get("dataset") or "math"
+        return {"prompt_input_ids": ids, "ground_truth": row["ground_truth"], "verifier": verifier,
+                "dataset": str(row.get("dataset") or row.get("source") or "")}
+
+    settings = {"max_prompt_length": max_prompt_length, "over_length_strategy": over_length_strategy,
+                "chat_template_source": template}
+    columns = ["prompt_input_ids", "ground_truth", "verifier", "dataset"]
+    return _tokenize_dataset(dataset, tokenizer, "rlvr", row_fn, settings, columns, cache_dir, num_proc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer tools (CLI): list, render, show, export, diff
+# ---------------------------------------------------------------------------------------------
+class BadInput(Exception):
+    """Exit code 2."""
+
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "vocab.txt"]
+
+EXAMPLES = {
+    "basic_chat": {"messages": [
+        {"role": "user", "content": "Hello, how are you?"},
+        {"role": "assistant", "content": "I'm doing great. How can I help you today?"},
+        {"role": "user", "content": "Show me how chat templating works."}]},
+    "system_prompt": {"messages": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"}]},
+    "reasoning": {"messages": [
+        {"role": "user", "content": "What is 7+5-3?"},
+        {"role": "assistant", "content": "<think>7+5=12\n12-3=9</think>\n\\boxed{9}"}]},
+    "reasoning_content": {"messages": [
+        {"role": "user", "content": "What is 3*4?"},
+        {"role": "assistant", "reasoning_content": "3*4=12", "content": "12"}]},
+    "tool_use": {"tools": [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+        "messages": [
+            {"role": "user", "content": "Weather in Boston?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Boston"}}}]},
+            {"role": "tool", "content": "{\"temp_f\": 41}"},
+            {"role": "assistant", "content": "It is 41°F in Boston."}]},
+    "generation_prompt": {"messages": [{"role": "user", "content": "Say hi."}], "add_generation_prompt": True},
+}
+
+
+def _read_json(path: str, what: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"cannot read {what} {path!r}: {e}") from None
+
+
+def _read_conversations(path: str) -> dict:
+    """FILE.json: a list of messages, an object with `messages` (+ `tools`), or a list of such objects."""
+    data = _read_json(path, "messages file")
+    if isinstance(data, dict) and "messages" in data:
+        out = {"messages": data}
+    elif isinstance(data, list) and data and all(isinstance(d, dict) and "messages" in d for d in data):
+        out = {f"conversation_{i}": d for i, d in enumerate(data)}
+    elif isinstance(data, list):
+        out = {"messages": {"messages": data}}
+    else:
+        raise BadInput(f"{path}: expected a list of messages or an object with `messages`")
+    for name, conversation in out.items():
+        messages = conversation["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadInput(f"{path}: {name} is not a non-empty list of messages with string roles")
+    return out
+
+
+def _cli_template(name: str) -> str:
+    try:
+        return get_template(name)
+    except (ValueError, OSError) as e:
+        raise BadInput(str(e)) from None
+
+
+def _dir_eos(name: str) -> str:
+    config = os.path.join(name, "tokenizer_config.json") if os.path.isdir(name) else None
+    if config and os.path.isfile(config):
+        eos = _read_json(config, "tokenizer config").get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and eos:
+            return eos
+    return DEFAULT_EOS
+
+
+def _load_tokenizer(path: str):
+    if not os.path.isdir(path):
+        raise BadInput(f"not a directory: {path!r}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any loader failure is bad input for the CLI
+        raise BadInput(f"cannot load a tokenizer from {path!r}: {type(e).__name__}: {e}") from None
+
+
+def cmd_list(args) -> int:
+    sys.stdout.write("".join(name + "\n" for name in TEMPLATES))
+    return 0
+
+
+def cmd_render(args) -> int:
+    template = _cli_template(args.template)
+    data = _read_conversations(args.messages)
+    if len(data) != 1:
+        raise BadInput("render takes one conversation")
+    conversation = next(iter(data.values()))
+    tools = _read_json(args.tools, "tools file") if args.tools else conversation.get("tools")
+    try:
+        messages, tools = _normalize(conversation["messages"], tools)
+        text = _render(template, messages, tools, args.add_generation_prompt,
+                       {"eos_token": _dir_eos(args.template), "bos_token": DEFAULT_EOS})[0]
+    except DroppedRow as e:
+        raise BadInput(f"cannot render: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a template error on this input
+        raise BadInput(f"cannot render: {type(e).__name__}: {e}") from None
+    sys.stdout.buffer.write(text.encode("utf-8"))
+    sys.stdout.flush()
+    return 0
+
+
+def format_labels(text, offsets, mask, color=False) -> str:
+    """Token pieces of `text`, trained ones bracketed (or coloured), for `show`."""
+    pieces = []
+    bounds = offsets + [len(text)]
+    for i, m in enumerate(mask):
+        piece = text[bounds[i]:max(bounds[i + 1], bounds[i])]
+        if m:
+            piece = f"\x1b[1;32m{piece}\x1b[0m" if color else f"[{piece}]"
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def cmd_show(args) -> int:
+    template = _cli_template(args.template)
+    tokenizer = _load_tokenizer(args.tokenizer)
+    color = {"always": True, "never": False}.get(args.color, sys.stdout.isatty())
+    status = 0
+    for name, conversation in _read_conversations(args.messages).items():
+        warnings = collections.Counter()
+        try:
+            validate_messages(conversation["messages"])
+            messages, tools = _normalize(conversation["messages"], conversation.get("tools"))
+            if messages[-1]["role"] != "assistant":
+                raise DroppedRow("no_final_assistant")
+            out = _label_conversation(tokenizer, messages, tools, template, args.only_last_turn, warnings)
+        except DroppedRow as e:
+            sys.stderr.write(f"{name}: dropped: {e}\n")
+            status = 2
+            continue
+        sys.stdout.write(format_labels(out["text"], out["offsets"], out["mask"], color) + "\n")
+        sys.stdout.write(f"-- {name}: {len(out['mask'])} tokens, {sum(out['mask'])} trained"
+                         + (f", warnings: {dict(warnings)}" if warnings else "") + "\n")
+    return status
+
+
+def export_template(template_name: str, tokenizer_dir: str, out_dir: str) -> str:
+    """Copy the tokenizer files of `tokenizer_dir` to `out_dir` with the template in both places."""
+    template = _cli_template(template_name)
+    if not os.path.isdir(tokenizer_dir):
+        raise BadInput(f"not a directory: {tokenizer_dir!r}")
+    config_path = os.path.join(tokenizer_dir, "tokenizer_config.json")
+    config = _read_json(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)  # fail before writing anything
+    except Exception as e:  # noqa: BLE001
+        raise BadInput(f"template does not compile: {e}") from None
+    os.makedirs(out_dir, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(src) and name != "tokenizer_config.json" and os.path.abspath(src) != os.path.abspath(
+                os.path.join(out_dir, name)):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    config["chat_template"] = template
+    for name, text in (("tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n"),
+                       ("chat_template.jinja", template)):
+        tmp = os.path.join(out_dir, f".{name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+    stale = os.path.join(out_dir, "chat_template.json")  # an older processor-style file would shadow nothing, but confuse
+    if os.path.isfile(stale):
+        os.remove(stale)
+    jinja, in_config = _dir_templates(out_dir)
+    assert jinja == in_config == template, "exported templates are out of sync"
+    return out_dir
+
+
+def cmd_export(args) -> int:
+    export_template(args.name, args.tokenizer, args.out)
+    sys.stdout.write(f"wrote {args.out} (chat_template.jinja and tokenizer_config.json in sync)\n")
+    return 0
+
+
+def prettify_jinja(template: str) -> list[str]:
+    """One Jinja statement or expression per line, indented by nesting (for readable diffs)."""
+    tokens = re.split(r"(\{%-?.*?-?%\}|\{\{-?.*?-?\}\}|\{#.*?#\})", template, flags=re.S)
+    lines, indent = [], 0
+    for token in tokens:
+        if not token.strip():
+            continue
+        if re.match(r"\{%-?\s*(endif|endfor|endgeneration|endmacro|else|elif)\b", token):
+            indent = max(indent - 1, 0)
+        lines.append("  " * indent + token.strip("\n") if token.startswith("{") else "  " * indent + repr(token))
+        if re.match(r"\{%-?\s*(if|for|generation|macro|else|elif)\b", token):
+            indent += 1
+    return lines
+
+
+def _unified(a_lines, b_lines, label_a, label_b) -> list[str]:
+    return list(difflib.unified_diff(a_lines, b_lines, fromfile=label_a, tofile=label_b, lineterm=""))
+
+
+def _tokenizer_facts(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise BadInput(f"not a directory: {path!r}")
+    config_path = os.path.join(path, "tokenizer_config.json")
+    config = _read_json(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
+    if not isinstance(config, dict):
+        raise BadInput(f"{config_path}: not a JSON object")
+    try:
+        jinja, in_config = _dir_templates(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read the templates in {path!r}: {e}") from None
+    tok_json_path = os.path.join(path, "tokenizer.json")
+    tok_json = _read_json(tok_json_path, "tokenizer.json") if os.path.isfile(tok_json_path) else {}
+    tokenizer = _load_tokenizer(path)
+    added = sorted((int(i), str(t), bool(getattr(t, "special", False))) for i, t in tokenizer.added_tokens_decoder.items())
+    return {
+        "path": path, "config": config, "jinja": jinja, "config_template": in_config,
+        "template": jinja if jinja is not None else in_config, "tokenizer": tokenizer,
+        "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()}, "added": added,
+        "vocab": tokenizer.get_vocab(), "len": len(tokenizer),
+        "backend": {k: tok_json.get(k) for k in ("normalizer", "pre_tokenizer", "post_processor", "decoder",
+                                                 "truncation", "padding")} if isinstance(tok_json, dict) else {},
+        "merges": (tok_json.get("model") or {}).get("merges") if isinstance(tok_json, dict) else None,
+    }
+
+
+def _render_example(facts, conversation) -> tuple[str, list[int] | None]:
+    tokenizer = facts["tokenizer"]
+    if not facts["template"]:
+        return "<no chat template>", None
+    try:
+        messages, tools = _normalize(conversation["messages"], conversation.get("tools"))
+        text = _render(facts["template"], messages, tools, bool(conversation.get("add_generation_prompt")),
+                       _special_tokens(tokenizer))[0]
+    except Exception as e:  # noqa: BLE001 - a template that fails on an example is a finding, not a crash
+        return f"<render error: {type(e).__name__}: {e}>", None
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def diff_tokenizers(dir_a: str, dir_b: str, conversations: dict | None = None, out=None) -> int:
+    """Print the differences between two tokenizer directories; return 0 (same) or 1 (different)."""
+    out = out or sys.stdout
+    a, b = _tokenizer_facts(dir_a), _tokenizer_facts(dir_b)
+    differs = []
+
+    def section(title):
+        out.write(f"== {title} ==\n")
+
+    section("template files (chat_template.jinja vs tokenizer_config.json)")
+    for label, f in (("A", a), ("B", b)):
+        if f["jinja"] is not None and f["config_template"] is not None and f["jinja"] != f["config_template"]:
+            out.write(f"{label} {f['path']}: DISAGREE: transformers uses chat_template.jinja\n")
+            for line in _unified(prettify_jinja(f["config_template"]), prettify_jinja(f["jinja"]),
+                                 "tokenizer_config.json", "chat_template.jinja"):
+                out.write(f"    {line}\n")
+            differs.append(f"template_files_{label}")
+        else:
+            where = [n for n, t in (("chat_template.jinja", f["jinja"]), ("tokenizer_config.json", f["config_template"]))
+                     if t is not None]
+            out.write(f"{label} {f['path']}: {'in sync' if len(where) == 2 else ('only ' + where[0]) if where else 'no template'}\n")
+
+    section("effective chat template")
+    if a["template"] == b["template"]:
+        out.write("identical\n")
+    else:
+        differs.append("chat_template")
+        for line in _unified(prettify_jinja(a["template"] or ""), prettify_jinja(b["template"] or ""), "A", "B"):
+            out.write(f"    {line}\n")
+
+    section("special and added tokens")
+    lines = []
+    for key in sorted(set(a["special"]) | set(b["special"])):
+        if a["special"].get(key) != b["special"].get(key):
+            lines.append(f"{key}: A={a['special'].get(key)!r} B={b['special'].get(key)!r}")
+    added_a, added_b = set(a["added"]), set(b["added"])
+    lines += [f"added token only in A: id={i} {t!r} special={s}" for i, t, s in sorted(added_a - added_b)]
+    lines += [f"added token only in B: id={i} {t!r} special={s}" for i, t, s in sorted(added_b - added_a)]
+    out.write("".join(line + "\n" for line in lines) if lines else "identical\n")
+    if lines:
+        differs.append("special_tokens")
+
+    section("vocabulary")
+    lines = []
+    if a["len"] != b["len"]:
+        lines.append(f"size: A={a['len']} B={b['len']}")
+    changed = {t for t in set(a["vocab"]) | set(b["vocab"]) if a["vocab"].get(t) != b["vocab"].get(t)}
+    if changed:
+        lines.append(f"{len(changed)} token->id entries differ, e.g. " + ", ".join(
+            f"{t!r}: A={a['vocab'].get(t)} B={b['vocab'].get(t)}" for t in sorted(changed)[:5]))
+    if a["merges"] != b["merges"]:
+        lines.append("BPE merges differ")
+    out.write("".join(line + "\n" for line in lines) if lines else f"identical (size {a['len']})\n")
+    if lines:
+        differs.append("vocabulary")
+
+    section("other config fields")
+    skip = {"chat_template", "added_tokens_decoder"}
+    ca = {k: v for k, v in a["config"].items() if k not in skip}
+    cb = {k: v for k, v in b["config"].items() if k not in skip}
+    ca.update({f"tokenizer.json:{k}": v for k, v in a["backend"].items()})
+    cb.update({f"tokenizer.json:{k}": v for k, v in b["backend"].items()})
+    diff = _unified(json.dumps(ca, indent=2, sort_keys=True, default=str).splitlines(),
+                    json.dumps(cb, indent=2, sort_keys=True, default=str).splitlines(), "A", "B")
+    out.write("".join(f"    {line}\n" for line in diff) if diff else "identical\n")
+    if diff:
+        differs.append("config")
+
+    section("rendered examples")
+    any_diff = False
+    for name, conversation in (conversations or EXAMPLES).items():
+        text_a, ids_a = _render_example(a, conversation)
+        text_b, ids_b = _render_example(b, conversation)
+        if text_a == text_b and ids_a == ids_b:
+            out.write(f"{name}: identical\n")
+            continue
+        any_diff = True
+        if text_a == text_b:
+            out.write(f"{name}: same text, different token ids\n    A: {ids_a}\n    B: {ids_b}\n")
+        else:
+            out.write(f"{name}: DIFFERENT\n")
+            for line in _unified(text_a.splitlines(keepends=False), text_b.splitlines(keepends=False), "A", "B"):
+                out.write(f"    {line}\n")
+    if any_diff:
+        differs.append("rendered_examples")
+
+    out.write(f"Result: {'DIFFERENT (' + ', '.join(differs) + ')' if differs else 'IDENTICAL'}\n")
+    return 1 if differs else 0
+
+
+def cmd_diff(args) -> int:
+    conversations = _read_conversations(args.messages) if args.messages else None
+    return diff_tokenizers(args.a, args.b, conversations)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="print the template names")
+    p = sub.add_parser("render", help="write the rendered text to stdout exactly")
+    p.add_argument("--template", required=True, help="template name, .jinja file or tokenizer directory")
+    p.add_argument("--messages", required=True, help="JSON file: a list of messages or {messages, tools}")
+    p.add_argument("--tools", default=None, help="JSON file with a list of tool schemas")
+    p.add_argument("--add-generation-prompt", action="store_true")
+    p = sub.add_parser("show", help="print tokens with the trained ones bracketed / coloured")
+    p.add_argument("--template", required=True)
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory")
+    p.add_argument("--messages", required=True)
+    p.add_argument("--only-last-turn", action="store_true", help="label the final assistant turn only (preference data)")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    p = sub.add_parser("export", help="write a tokenizer directory with the template in both files")
+    p.add_argument("name", help="template name, .jinja file or tokenizer directory")
+    p.add_argument("--tokenizer", required=True, help="source tokenizer directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p = sub.add_parser("diff", help="compare two tokenizer directories (exit 0 same, 1 different, 2 bad input)")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--messages", default=None, help="JSON file with a conversation to render (default: built-in examples)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return 2 if e.code else 0
+    try:
+        return {"list": cmd_list, "render": cmd_render, "show": cmd_show, "export": cmd_export,
+                "diff": cmd_diff}[args.command](args)
+    except BadInput as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    datasets.disable_progress_bars()
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -139,10 +139,15 @@ def write_data(out_dir: str, **kwargs) -> dict:
 # ---------------------------------------------------------------------------------------------
 def tokenizer_corpus(seed: int) -> list[str]:
     """Text the byte-level BPE learns its merges from: task data plus chat and tool-use markup."""
+    from chat_template import DEV_SYSTEM, FUNCTIONS_PREAMBLE, NO_FUNCTIONS, OLMO_IDENTITY
+
     splits = generate_data(seed=seed, num_sft=2000, num_preference=0, num_rlvr=0, num_eval=0)
     texts = [m["content"] for row in splits["sft"] for m in row["messages"]]
     texts += ["system", "user", "assistant", "environment", "You are a helpful AI assistant.",
               "The answer is", "Final Answer: The final answer is", "function", "arguments", "name"] * 50
+    # The templates' default system prompts: a real tokenizer compresses the text it sees every row,
+    # and short rows keep the CPU demo fast.
+    texts += [f"{DEV_SYSTEM} {NO_FUNCTIONS}", f"{OLMO_IDENTITY} {NO_FUNCTIONS}", FUNCTIONS_PREAMBLE] * 50
     return texts
 
 
