@@ -77,8 +77,8 @@ def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str
     return solution_text(new_steps, value), value
 
 
-def generate_data(seed: int = 0, num_sft: int = 3000, num_preference: int = 1500, num_rlvr: int = 3000,
-                  num_eval: int = 200, max_operand: int = 20, min_operands: int = 2, max_operands: int = 4) -> dict:
+def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000, num_rlvr: int = 4000,
+                  num_eval: int = 200, max_operand: int = 9, min_operands: int = 2, max_operands: int = 4) -> dict:
     """All splits as lists of rows. Evaluation problems never appear in a training split."""
     rng = random.Random(seed)
     total = num_sft + num_preference + num_rlvr + num_eval
@@ -347,11 +347,11 @@ def main():
     p_data = sub.add_parser("data", help="write sft / preference / rlvr / eval JSONL files to OUT_DIR")
     p_data.add_argument("out_dir")
     p_data.add_argument("--seed", type=int, default=0)
-    p_data.add_argument("--num_sft", type=int, default=3000)
-    p_data.add_argument("--num_preference", type=int, default=1500)
-    p_data.add_argument("--num_rlvr", type=int, default=3000)
+    p_data.add_argument("--num_sft", type=int, default=8000)
+    p_data.add_argument("--num_preference", type=int, default=2000)
+    p_data.add_argument("--num_rlvr", type=int, default=4000)
     p_data.add_argument("--num_eval", type=int, default=200)
-    p_data.add_argument("--max_operand", type=int, default=20, help="operands are drawn from 0..max_operand")
+    p_data.add_argument("--max_operand", type=int, default=9, help="operands are drawn from 0..max_operand")
     p_data.add_argument("--min_operands", type=int, default=2)
     p_data.add_argument("--max_operands", type=int, default=4, help="each extra operand is one more reasoning step")
     p_eval = sub.add_parser("eval", help="greedy accuracy of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")

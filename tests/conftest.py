@@ -45,5 +45,6 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
 
 
 # Short enough for the test suite, long enough that the model learns the format and part of the task.
-SFT_FIXTURE_ARGS = ["--num_train_epochs", "2", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32",
-                    "--seed", "0", "--report_to", "none"]
+SFT_FIXTURE_ARGS = ["--num_train_epochs", "1", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32",
+                    "--gradient_accumulation_steps", "1", "--warmup_ratio", "0.05", "--max_seq_length", "256",
+                    "--save_steps", "0", "--seed", "0", "--report_to", "none"]

@@ -1,0 +1,767 @@
+"""Direct preference optimization (DPO) with cached reference logprobs: stage two of the Olmo 3 recipe.
+
+What it trains: a causal LM on preference pairs (`chosen` / `rejected` message lists that share
+the conversation up to the final assistant turn), so that the policy raises the likelihood of the
+chosen answer relative to the rejected one, measured against the model it started from (the
+reference). Olmo 3 (sec 4.3 / 5.2, "delta learning") pairs a strong chosen answer with a weaker
+model's rejected one: the contrast helps where imitation of the chosen answers alone does not.
+Only the final assistant turn is scored (multi-turn rows keep the earlier turns as context); which
+tokens those are comes from the template's `{% generation %}` blocks through `chat_template.py`.
+
+Losses (`--loss_type`, all in `dpo_loss` below; h = policy log-ratio margin minus reference margin):
+  - `dpo`       Rafailov et al. 2023, eq. 7: -log sigmoid(beta h), on summed logprobs.
+                `--label_smoothing` eps gives conservative DPO (Mitchell 2023):
+                -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h).
+  - `dpo_norm`  the same on per-token mean logprobs (length-normalized): the Tulu 3 and Olmo 3 default
+                (open-instruct dpo_tune_cache.py `--dpo_loss_type dpo_norm --dpo_beta 5`).
+  - `simpo`     Meng et al. 2024, eq. 6: -log sigmoid(beta (mean logp_c - mean logp_r) - gamma),
+                gamma = gamma_beta_ratio x beta; reference-free (no reference pass at all).
+  - `ipo`       Azar et al. 2023, eq. 17: (h - 1 / (2 beta))^2 on summed logprobs (beta is their tau).
+
+Departures from open-instruct's dpo_tune_cache.py (the code Olmo 3 used):
+  - Reference logprobs are cached on disk, keyed by a hash of the model files (config + weights,
+    full sha256), the tokenized pairs, the template, the reduction and the precision, so a second
+    run with the same model and data skips the reference pass entirely (log: "reference logprobs:
+    cache hit <path>"). open-instruct keys its cache on names and arguments, not on contents.
+  - No reference model is held in memory during training: the reference pass runs once with the
+    initial policy (the LoRA adapter disabled), before training starts.
+  - `ipo` is added (TRL's formula); open-instruct's `wpo` is left out.
+  - The defaults are Olmo 3 7B Instruct DPO's (open-instruct scripts/train/olmo3/7b_instruct_dpo.sh):
+    dpo_norm, beta 5, lr 1e-6, linear schedule with 10% warmup, no weight decay, 1 epoch, 128
+    pairs per optimizer step (4 nodes x 8 GPUs x 1 x 4 accumulation), max length 16384. Olmo 3
+    did not clip gradients (open-instruct's DPO default max_grad_norm -1); the norm is still logged.
+  - Master weights stay fp32 on GPU (bf16 autocast for DDP, bf16 compute / fp32 reduce for FSDP2):
+    a bf16 weight cannot hold an update of lr 1e-6 x O(1).
+
+Launch (the same file everywhere; torchrun sets the ranks, world size 1 runs the same code):
+
+    # one GPU
+    python dpo.py --model_name_or_path output/sft --dataset_mixer_list allenai/Dolci-Instruct-DPO 1.0 \\
+        --per_device_train_batch_size 1 --gradient_accumulation_steps 128 --gradient_checkpointing \\
+        --use_lora --output_dir output/dpo
+    # one node, 8 GPUs (FSDP2 shards a model that does not fit one GPU)
+    torchrun --nproc-per-node 8 dpo.py --model_name_or_path output/sft \\
+        --dataset_mixer_list allenai/Dolci-Instruct-DPO 1.0 --use_fsdp --gradient_checkpointing \\
+        --per_device_train_batch_size 1 --gradient_accumulation_steps 16 --report_to wandb --output_dir output/dpo
+    # two nodes (run on each node; NODE_RANK 0 and 1, MASTER_ADDR = node 0)
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --master-addr $MASTER_ADDR --master-port 29500 \\
+        dpo.py --use_fsdp ... (as above, --gradient_accumulation_steps 8)
+    # only build the reference cache (e.g. on another job), then train against it
+    torchrun --nproc-per-node 8 dpo.py ... --cache_reference_only
+    # tiny CPU run on the toy model (start from the SFT model of sft.py's tiny run; a few minutes on 2 cores)
+    python toy.py model /tmp/toy && python toy.py data /tmp/toy_data
+    torchrun --nproc-per-node 2 sft.py --model_name_or_path /tmp/toy --dataset_mixer_list /tmp/toy_data/sft.jsonl 1.0 \\
+        --num_train_epochs 2 --learning_rate 3e-3 --per_device_train_batch_size 16 --output_dir /tmp/toy_sft
+    torchrun --nproc-per-node 2 dpo.py --model_name_or_path /tmp/toy_sft \\
+        --dataset_mixer_list /tmp/toy_data/preference.jsonl 1.0 --eval_split_fraction 0.2 --max_seq_length 256 \\
+        --learning_rate 3e-4 --max_grad_norm 1 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \\
+        --output_dir /tmp/toy_dpo     # 32 pairs per step
+    python toy.py eval /tmp/toy_sft /tmp/toy_data/eval.jsonl && python toy.py eval /tmp/toy_dpo /tmp/toy_data/eval.jsonl
+
+Outputs in `--output_dir`: the final model as a Hugging Face directory (weights, config, tokenizer
+and its chat template; with `--use_lora` the peft adapter, and with `--merge_lora` also the merged
+model in `merged/`), `metrics.jsonl` (one JSON line per step; step 0 holds the reference-cache and
+pre-training eval numbers), and `checkpoints/step_N/` (the HF directory plus `training_state.pt`
+and per-rank RNG files; `checkpoints/latest` names the newest complete one). `--resume` continues
+from it exactly. The reference cache lives in `--reference_cache_dir` (default: a
+`reference_cache/` directory next to `--output_dir`, so sibling runs share it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+
+import chat_template
+
+# Per-loss defaults. beta: dpo 0.1 (Rafailov et al. 2023), dpo_norm 5 (Tulu 3 8B / Olmo 3 7B Instruct
+# DPO scripts), simpo 2.0 (SimPO paper, sec 3 / Table 7: beta 2.0-2.5), ipo 0.1 (TRL's default tau).
+DEFAULT_BETA = {"dpo": 0.1, "dpo_norm": 5.0, "simpo": 2.0, "ipo": 0.1}
+# How each loss reduces token logprobs to one number per sequence: sum, or mean over trained tokens.
+AVERAGE_LOGPS = {"dpo": False, "dpo_norm": True, "simpo": True, "ipo": False}
+
+
+@dataclass
+class Args:
+    # --- run and logging ---
+    output_dir: str = field(default="output/dpo", metadata={"help": "final model, metrics.jsonl and checkpoints/ go here"})
+    seed: int = field(default=42, metadata={"help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
+    report_to: str = field(default="none", metadata={"help": "none | wandb (offline unless WANDB_MODE=online)"})
+    wandb_project: str = field(default="olmo3-posttrain", metadata={"help": "wandb project name"})
+    logging_steps: int = field(default=1, metadata={"help": "log a line and a metrics dict every N optimizer steps"})
+    save_steps: int = field(default=500, metadata={"help": "write a resumable checkpoint every N optimizer steps (0: never)"})
+    eval_steps: int = field(default=0, metadata={
+        "help": "held-out preference eval every N steps (0: only before training and at the end)"})
+    resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest (same args)"})
+    # --- model and data ---
+    model_name_or_path: str = field(default=None, metadata={"help": "HF model directory or hub id (offline: a local dir); usually the SFT model"})
+    dataset_mixer_list: list[str] = field(default_factory=list, metadata={
+        "help": "source / amount pairs of preference data (`chosen` / `rejected` message lists): `a.jsonl 1.0 org/b 500`"})
+    eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={
+        "help": "held-out preference pairs, same format; or use --eval_split_fraction"})
+    eval_split_fraction: float = field(default=0.0, metadata={
+        "help": "hold out this fraction of the training pairs for eval/accuracy (when no eval mixer list is given)"})
+    chat_template: str = field(default=None, metadata={
+        "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
+                "The template used for training is saved with the model"})
+    max_seq_length: int = field(default=16384, metadata={"help": "max tokens per chosen / rejected conversation (Olmo 3 7B DPO: 16384)"})
+    over_length_strategy: str = field(default="drop", metadata={"help": "what to do with longer conversations (see chat_template.py)"})
+    # --- algorithm (defaults: Olmo 3 7B Instruct DPO, open-instruct scripts/train/olmo3/7b_instruct_dpo.sh) ---
+    loss_type: str = field(default="dpo_norm", metadata={"help": "dpo | dpo_norm | simpo | ipo (Olmo 3 / Tulu 3: dpo_norm)"})
+    beta: float = field(default=None, metadata={
+        "help": "loss temperature; default per loss: dpo 0.1, dpo_norm 5 (Olmo 3), simpo 2.0, ipo 0.1"})
+    gamma_beta_ratio: float = field(default=0.5, metadata={"help": "SimPO target margin gamma / beta (SimPO paper: 0.5)"})
+    label_smoothing: float = field(default=0.0, metadata={
+        "help": "conservative DPO: assumed probability that a pair's label is flipped (dpo, dpo_norm, simpo)"})
+    num_train_epochs: int = field(default=1, metadata={"help": "passes over the data (Olmo 3: 1)"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; overrides num_train_epochs when > 0"})
+    learning_rate: float = field(default=1e-6, metadata={"help": "peak AdamW learning rate (Olmo 3 7B Instruct: 1e-6)"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "linear | cosine decay to 0 after warmup (Olmo 3: linear)"})
+    warmup_ratio: float = field(default=0.1, metadata={"help": "fraction of steps with linear warmup (Olmo 3: 0.1)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices; never on norms (Olmo 3: 0)"})
+    max_grad_norm: float = field(default=-1.0, metadata={
+        "help": "clip the global gradient norm (<= 0: no clipping, still logged; open-instruct DPO: -1)"})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "pairs per micro-batch per rank (each pair is 2 rows)"})
+    gradient_accumulation_steps: int = field(default=16, metadata={
+        "help": "micro-batches per optimizer step (Olmo 3: 1 x 4 x 32 GPUs = 128 pairs)"})
+    use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (peft) instead of all weights"})
+    lora_rank: int = field(default=64, metadata={"help": "LoRA rank (open-instruct: 64)"})
+    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha; the update is scaled by alpha / rank (open-instruct: 16)"})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "module names to adapt, or `all-linear` (every linear layer except the LM head)"})
+    merge_lora: bool = field(default=False, metadata={"help": "also save base + adapter merged, in output_dir/merged"})
+    # --- reference cache ---
+    reference_cache_dir: str = field(default=None, metadata={
+        "help": "where reference logprobs are cached (default: reference_cache/ next to output_dir)"})
+    cache_reference_only: bool = field(default=False, metadata={"help": "compute (or find) the reference logprobs, then exit"})
+    # --- system ---
+    use_fsdp: bool = field(default=False, metadata={
+        "help": "FSDP2: shard each decoder layer, then the root (automatic on GPU when weights + Adam do not fit)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward pass"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: the loss, batching, schedule, FLOPs, reference cache, checkpoints
+# ---------------------------------------------------------------------------------------------
+# ALGORITHM: the preference losses. Inputs are per-sequence logprobs (N,), already reduced by the
+# caller (sum for dpo / ipo, mean over trained tokens for dpo_norm / simpo: AVERAGE_LOGPS).
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+             ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
+             beta: float, loss_type: str, label_smoothing: float = 0.0,
+             gamma_beta_ratio: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (per-pair losses (N,), chosen rewards (N,), rejected rewards (N,)); rewards are detached.
+
+    Rewards are the implicit rewards beta x (policy - reference) logps; for simpo, which has no
+    reference, beta x policy logps. A pair is "accurate" when its chosen reward is the larger.
+    """
+    if loss_type == "simpo":
+        # SimPO (Meng et al. 2024, eq. 6): the mean logprob is the reward, gamma a target margin.
+        logits = beta * (policy_chosen_logps - policy_rejected_logps) - gamma_beta_ratio * beta
+        losses = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+        return losses, (beta * policy_chosen_logps).detach(), (beta * policy_rejected_logps).detach()
+    chosen_logratio = policy_chosen_logps - ref_chosen_logps  # log pi(y_w|x) / pi_ref(y_w|x)
+    rejected_logratio = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratio - rejected_logratio
+    if loss_type in ("dpo", "dpo_norm"):
+        # DPO (Rafailov et al. 2023, eq. 7); label smoothing = cDPO (Mitchell 2023), open-instruct's form.
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        # IPO (Azar et al. 2023, eq. 17): regress the margin onto 1 / (2 tau), tau = beta. No smoothing.
+        if label_smoothing:
+            raise ValueError("label_smoothing is not defined for ipo")
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r} (dpo | dpo_norm | simpo | ipo)")
+    return losses, (beta * chosen_logratio).detach(), (beta * rejected_logratio).detach()
+
+
+def collate_pairs(indices: list[int], pairs: list[dict], pad_id: int) -> dict:
+    """Pairs -> one concatenated batch: `input_ids` and `targets` (2B, T), chosen rows first, then rejected.
+
+    Chosen and rejected are padded (on the right) to one width and stacked on the batch dim, so
+    one forward pass scores both (what open-instruct calls the concatenated forward).
+    `targets[t]` is the label of token t + 1 (-100: not trained), so logits[t] scores targets[t].
+    """
+    seqs = [(pairs[i][f"{side}_input_ids"], pairs[i][f"{side}_labels"]) for side in ("chosen", "rejected") for i in indices]
+    width = max(len(ids) for ids, _ in seqs)
+    input_ids = [ids + [pad_id] * (width - len(ids)) for ids, _ in seqs]
+    targets = [labels[1:] + [-100] * (width - len(labels) + 1) for _, labels in seqs]
+    return {"input_ids": torch.tensor(input_ids, dtype=torch.long), "targets": torch.tensor(targets, dtype=torch.long),
+            "index": torch.tensor(indices, dtype=torch.long), "doc_lengths": [len(ids) for ids, _ in seqs]}
+
+
+def sequence_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed logprob of the trained tokens of every row (2B,), and how many there are (2B,).
+
+    No attention mask: with right padding and causal attention a real token never attends to the
+    padding after it, so its logits are exact (and sdpa keeps its fused causal path).
+    """
+    logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits.float()  # (2B, T, V)
+    targets = batch["targets"].to(device)  # (2B, T)
+    mask = targets != -100
+    # log_softmax at the target = logit - logsumexp: never materialises a second (2B, T, V) tensor.
+    token_logps = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    return (token_logps * mask).sum(-1), mask.sum(-1)
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then linear or cosine decay towards 0.
+
+    A pure function of the step, so the step count is the whole scheduler state in a checkpoint.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_scheduler_type {kind!r} (linear | cosine)")
+
+
+def train_flops(doc_lengths: list[int], non_embedding_params: int, num_layers: int, hidden_size: int) -> float:
+    """FLOPs of one forward + backward over these conversations (Kaplan et al. 2020 / PaLM appendix B).
+
+    6 x N per token for the matmuls (N = parameters except the input embedding; the untied LM head
+    is a real matmul, so it counts), plus causal attention: QK^T and AV cost 4 x hidden x context
+    per token per layer forward; the mean causal context of a length-L conversation is L / 2, and
+    backward is twice forward, so a conversation costs 6 x layers x hidden x L^2. LoRA's frozen
+    weights skip their weight-gradient matmul: this overstates LoRA's FLOPs by up to a third.
+    """
+    tokens = sum(doc_lengths)
+    return 6.0 * non_embedding_params * tokens + 6.0 * num_layers * hidden_size * sum(L * L for L in doc_lengths)
+
+
+def peak_flops(device) -> tuple[float, str]:
+    """Peak FLOP/s of one device: the datasheet on known GPUs (bf16 dense), else measured with a matmul."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in {"H100": 989e12, "H200": 989e12, "A100": 312e12}.items():
+            if key in name:
+                return value, f"{name} datasheet bf16 dense"
+    n, reps = 1024, 8
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - start), f"measured fp32 {n}x{n} matmul on {device.type}"
+
+
+def model_fingerprint(name_or_path: str) -> dict:
+    """sha256 of the files that decide a model's logprobs (config and weights), by file name.
+
+    Contents, not timestamps: a copied model still hits, a retrained one in the same path misses.
+    Hashing reads every weight file once (about 10 s for a 7B model in bf16).
+    """
+    path = name_or_path
+    if not os.path.isdir(path):  # a hub id: its local snapshot (nothing is downloaded here)
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(name_or_path, local_files_only=True)
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    if not any(n != "config.json" for n in files):
+        raise ValueError(f"no weight files found in {path}")
+    return {"name_or_path": name_or_path, "files": files}
+
+
+def pairs_fingerprint(pairs: list[dict]) -> str:
+    """sha256 of the tokenized pairs in order (ids and labels): the cache is indexed by position."""
+    h = hashlib.sha256()
+    for pair in pairs:
+        for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+            h.update(json.dumps(pair[key], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def reference_cache_key(model_key: dict, pairs: list[dict], template: str | None, average_logps: bool,
+                        bf16: bool) -> tuple[str, dict]:
+    """The cache file name and what it hashes: everything that changes a reference logprob.
+
+    Model files, the tokenized pairs (which already reflect template, max length and truncation),
+    the template text itself, sum vs mean reduction, and the compute precision (bf16 logprobs
+    differ from fp32 ones). LoRA is not in it: with the adapter off the reference is the base model.
+    """
+    material = {"model": model_key, "data": pairs_fingerprint(pairs), "num_pairs": len(pairs),
+                "template": hashlib.sha256(str(template).encode()).hexdigest(),
+                "reduction": "mean" if average_logps else "sum", "precision": "bf16" if bf16 else "fp32"}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24], material
+
+
+def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -> list[tuple[list[int], int]]:
+    """This rank's batches of a pass over `num_items` (reference pass, eval): (indices, how many are real).
+
+    Every rank gets the same number of batches (FSDP's collectives need every rank to run every
+    forward), so the last global chunk is padded with repeated indices whose results are ignored.
+    """
+    out, chunk = [], batch_size * world_size
+    for start in range(0, num_items, chunk):
+        real = list(range(start + rank * batch_size, min(start + (rank + 1) * batch_size, num_items)))
+        out.append(((real + [0] * batch_size)[:batch_size] if real else [0] * batch_size, len(real)))
+    return out
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs never count."""
+    root = os.path.join(output_dir, "checkpoints")
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(path, "training_state.pt")):
+            return path
+    steps = [d for d in os.listdir(root) if d.startswith("step_")] if os.path.isdir(root) else []
+    steps = [d for d in steps if os.path.isfile(os.path.join(root, d, "training_state.pt"))]
+    return os.path.join(root, max(steps, key=lambda d: int(d.split("_")[1]))) if steps else None
+
+
+def fsync_dir(path: str) -> None:
+    """Flush every file under `path` and the directory entries themselves to disk (plumbing)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+def main():
+    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    if not args.model_name_or_path or not args.dataset_mixer_list:
+        raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
+    if args.loss_type not in DEFAULT_BETA:
+        raise SystemExit(f"unknown --loss_type {args.loss_type!r} (dpo | dpo_norm | simpo | ipo)")
+    if args.beta is None:
+        args.beta = DEFAULT_BETA[args.loss_type]
+    average_logps, use_reference = AVERAGE_LOGPS[args.loss_type], args.loss_type != "simpo"
+
+    # ---- setup (plumbing: the same block in every stage script) ---------------------------
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+    torch.manual_seed(args.seed)  # same on every rank until the model is built (LoRA init must agree)
+    random.seed(args.seed + rank)
+
+    def barrier():
+        if world_size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    # ---- data -------------------------------------------------------------------------------
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if args.chat_template:  # train with it and save it with the model, so inference renders the same way
+        tokenizer.chat_template = chat_template.get_template(args.chat_template)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if not is_main:
+        barrier()  # rank 0 fills the datasets cache first
+
+    def load_pairs(mixer_list: list[str]):
+        dataset = chat_template.load_mixture(mixer_list, seed=args.seed)
+        return chat_template.tokenize_preference(dataset, tokenizer, args.max_seq_length,
+                                                 over_length_strategy=args.over_length_strategy,
+                                                 chat_template=args.chat_template)
+    dataset, drops = load_pairs(args.dataset_mixer_list)
+    eval_dataset, eval_drops = None, {}
+    if args.eval_dataset_mixer_list:
+        eval_dataset, eval_drops = load_pairs(args.eval_dataset_mixer_list)
+    elif args.eval_split_fraction > 0:
+        split = dataset.train_test_split(test_size=args.eval_split_fraction, seed=args.seed)
+        dataset, eval_dataset = split["train"], split["test"]
+    if is_main:
+        barrier()
+    keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    pairs = [{k: r[k] for k in keys} for r in dataset]
+    eval_pairs = [{k: r[k] for k in keys} for r in eval_dataset] if eval_dataset is not None else []
+    if not pairs:
+        raise SystemExit(f"no trainable pairs left (dropped: {dict(drops)})")
+
+    # The whole run's batches are a pure function of (seed, epoch): epoch e shuffles with seed + e.
+    # Batch s of the run is the data position a checkpoint stores, so a resume sees the same pairs.
+    micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_pairs = micro_bs * accum * world_size
+    if len(pairs) < global_pairs:
+        raise SystemExit(f"{len(pairs)} pairs cannot fill one global batch of {global_pairs} pairs")
+    batches, epoch = [], 0
+    while True:
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        batches += [(epoch, order[i:i + global_pairs]) for i in range(0, len(order) - global_pairs + 1, global_pairs)]
+        epoch += 1
+        if (args.max_steps > 0 and len(batches) >= args.max_steps) or (args.max_steps <= 0 and epoch >= args.num_train_epochs):
+            break
+    total_steps = args.max_steps if args.max_steps > 0 else len(batches)
+    batches = batches[:total_steps]
+    warmup_steps = math.ceil(args.warmup_ratio * total_steps)
+
+    # ---- model --------------------------------------------------------------------------------
+    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
+    if args.resume and resume_from is None and is_main:
+        print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch")
+    # Weights stay fp32 (master weights); compute runs in bf16 on GPU through autocast (DDP) or
+    # FSDP2's mixed-precision policy. CPU trains in fp32. Always the initial weights here: the
+    # reference pass below needs them; resumed full weights are loaded after it.
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    config = model.config
+    non_embedding_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.use_lora:
+        from peft import LoraConfig, PeftModel, get_peft_model
+        if resume_from:
+            model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
+        else:
+            targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
+            model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                     target_modules=targets, task_type="CAUSAL_LM"))
+    model.to(device)
+    torch.manual_seed(args.seed + rank)  # from here on each rank has its own RNG stream
+
+    param_bytes = sum(p.numel() for p in model.parameters()) * 4
+    if device.type == "cuda" and not args.use_fsdp and param_bytes * 4 > 0.7 * torch.cuda.get_device_properties(device).total_memory:
+        args.use_fsdp = True  # fp32 weights + grads + 2 Adam moments = 16 bytes per parameter: shard them
+    bf16 = device.type == "cuda"
+    if args.use_fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        base = model.get_base_model() if args.use_lora else model
+        layer_names = set(base._no_split_modules or [])  # the decoder layer class, e.g. Olmo3DecoderLayer
+        for module in model.modules():
+            if type(module).__name__ in layer_names:
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        train_model = model
+    elif world_size > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if bf16 else None)
+    else:
+        train_model = model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+
+    def pair_logps(batch: dict, net=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) logps reduced for the loss, each (B,), and their per-token means (for eval)."""
+        with autocast:
+            sums, counts = sequence_logps(model if net is None else net, batch, device)
+        counts = counts.clamp(min=1)
+        logps = sums / counts if average_logps else sums
+        means = (sums / counts).detach()
+        b = len(batch["index"])
+        return logps[:b], logps[b:], means[:b], means[b:]
+
+    # ---- reference logprobs: computed once with the initial policy, cached on disk -------------
+    # ALGORITHM: the reference is the model training starts from (for LoRA: the adapter switched
+    # off). Its logprobs depend only on model, data, template, reduction and precision, so they are
+    # computed once, stored under a hash of those, and no reference model is kept for training.
+    cache_dir = args.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(args.output_dir)), "reference_cache")
+    reference_log = {"reference/cache_hit": 1, "reference/computed_pairs": 0, "time/reference_s": 0.0}
+    t_ref = time.perf_counter()
+    model_key = None
+    if use_reference:
+        key_obj = [model_fingerprint(args.model_name_or_path) if is_main else None]
+        if world_size > 1:
+            dist.broadcast_object_list(key_obj, src=0)  # rank 0 reads the weight files, the others wait
+        model_key = key_obj[0]
+
+    def reference_logps(split_pairs: list[dict], split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) reference logps of every pair (N,) on `device`, from the cache or computed."""
+        key, material = reference_cache_key(model_key, split_pairs, tokenizer.chat_template, average_logps, bf16)
+        path = os.path.join(cache_dir, f"{key}.pt")
+        hit = torch.tensor([int(os.path.isfile(path)) if is_main else 0], device=device)
+        if world_size > 1:
+            dist.broadcast(hit, src=0)  # rank 0 decides, so nodes without a shared filesystem agree
+        if hit.item():
+            cached = torch.load(path, weights_only=True) if is_main else None
+            ref = cached["logps"].to(device) if is_main else torch.empty(2, len(split_pairs), device=device)
+            if world_size > 1:
+                dist.broadcast(ref, src=0)
+            if is_main:
+                print(f"reference logprobs: cache hit {path} ({split}, {len(split_pairs)} pairs)")
+            return ref[0], ref[1]
+        if is_main:
+            print(f"reference logprobs: cache miss, computing {split} ({len(split_pairs)} pairs) -> {path}")
+        # Each rank scores its shard; -inf marks "not mine", a max all-reduce assembles the full table.
+        ref = torch.full((2, len(split_pairs)), float("-inf"), device=device)
+        adapter_off = model.disable_adapter() if args.use_lora else contextlib.nullcontext()
+        model.eval()
+        with torch.no_grad(), adapter_off:
+            for indices, real in tqdm(shard_batches(len(split_pairs), micro_bs, rank, world_size), disable=not is_main,
+                                      desc=f"reference {split}", dynamic_ncols=True):
+                chosen, rejected, _, _ = pair_logps(collate_pairs(indices, split_pairs, pad_id))
+                ref[0, indices[:real]], ref[1, indices[:real]] = chosen[:real].float(), rejected[:real].float()
+        model.train()
+        if world_size > 1:
+            dist.all_reduce(ref, op=dist.ReduceOp.MAX)
+        if not torch.isfinite(ref).all():
+            raise RuntimeError(f"reference pass left {int((~torch.isfinite(ref)).sum())} logprobs unset")
+        if is_main:  # atomic: a crash never leaves a half-written cache file under the final name
+            os.makedirs(cache_dir, exist_ok=True)
+            torch.save({"logps": ref.cpu(), "material": material}, path + ".tmp")
+            with open(path + ".tmp", "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+            with open(os.path.join(cache_dir, f"{key}.json"), "w") as f:
+                json.dump({**material, "split": split, "args": asdict(args)}, f, indent=1)
+            print(f"reference logprobs: saved {path}")
+        reference_log["reference/cache_hit"] = 0
+        reference_log["reference/computed_pairs"] += len(split_pairs)
+        return ref[0], ref[1]
+
+    ref_train = reference_logps(pairs, "train") if use_reference else None
+    ref_eval = reference_logps(eval_pairs, "eval") if use_reference and eval_pairs else None
+    reference_log["time/reference_s"] = time.perf_counter() - t_ref
+    if args.cache_reference_only:
+        if is_main:
+            print(json.dumps(reference_log))
+        barrier()
+        if world_size > 1:
+            dist.destroy_process_group()
+        return
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    start_step = 0
+    if resume_from:
+        if not args.use_lora:  # the trained weights, now that the reference pass has used the initial ones
+            weights = AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if is_main else {}
+            set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=world_size > 1))
+            del weights
+        state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        start_step = state["step"]
+        changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
+                   if k not in ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to", "reference_cache_dir")
+                   and getattr(args, k, v) != v}
+        if changed and is_main:  # a different run would not continue "exactly"; say so loudly
+            print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
+        rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
+        if os.path.isfile(rng_file):
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            if bf16 and rng.get("cuda") is not None:
+                torch.cuda.set_rng_state(rng["cuda"])
+
+    def save_hf(path: str, state_dict: dict) -> None:
+        """Rank 0: weights (or the LoRA adapter), config, tokenizer and its chat template (plumbing)."""
+        model.save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+
+    def save_checkpoint(step: int) -> None:
+        """Atomic: write everything into a temp dir, fsync, rename, then move `latest`; old ones go last."""
+        model_sd = get_model_state_dict(model, options=full)  # collective: every rank calls it
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
+        root = os.path.join(args.output_dir, "checkpoints")
+        name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf(tmp, model_sd)
+            torch.save({"optimizer": optim_sd, "step": step, "args": asdict(args), "world_size": world_size,
+                        "scheduler": {"step": step, "total_steps": total_steps, "warmup_steps": warmup_steps}},
+                       os.path.join(tmp, "training_state.pt"))
+        barrier()
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state() if bf16 else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+        barrier()
+        if is_main:
+            fsync_dir(tmp)
+            final = os.path.join(root, name)
+            if os.path.exists(final):  # the same step saved again (after a resume): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            with open(os.path.join(root, "latest.tmp"), "w") as f:
+                f.write(name)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+            for old in os.listdir(root):  # only now, with the new one complete, drop the older ones
+                if old.startswith("step_") and old != name:
+                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        barrier()
+
+    def evaluate() -> dict:
+        """Held-out pairs: loss, reward accuracy (what DPO optimises) and policy accuracy.
+
+        `eval/accuracy`: chosen reward > rejected reward. With a reference it starts at 0 (the
+        policy is the reference, every margin is 0) and measures how often training moved the
+        pair the right way. `eval/policy_accuracy`: the policy itself gives the chosen answer the
+        higher mean per-token logprob; meaningful before training too.
+        """
+        sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, accuracy, margin, policy accuracy, pairs
+        model.eval()
+        with torch.no_grad():
+            for indices, real in shard_batches(len(eval_pairs), micro_bs, rank, world_size):
+                batch = collate_pairs(indices, eval_pairs, pad_id)
+                chosen, rejected, chosen_mean, rejected_mean = pair_logps(batch)
+                idx = batch["index"].to(device)
+                losses, chosen_r, rejected_r = dpo_loss(
+                    chosen.float(), rejected.float(), ref_eval[0][idx] if use_reference else None,
+                    ref_eval[1][idx] if use_reference else None, args.beta, args.loss_type,
+                    args.label_smoothing, args.gamma_beta_ratio)
+                for i, value in enumerate([losses, (chosen_r > rejected_r).float(), chosen_r - rejected_r,
+                                           (chosen_mean > rejected_mean).float(), torch.ones_like(losses)]):
+                    sums[i] += value[:real].double().sum()
+        model.train()
+        if world_size > 1:
+            dist.all_reduce(sums)
+        n = max(sums[4].item(), 1)
+        return {"eval/loss": sums[0].item() / n, "eval/accuracy": sums[1].item() / n,
+                "eval/rewards/margin": sums[2].item() / n, "eval/policy_accuracy": sums[3].item() / n}
+
+    # ---- logging (plumbing) ---------------------------------------------------------------
+    peak, peak_source = peak_flops(device)
+    peak_total = all_reduce_sum([peak])[0]
+    derived = {"world_size": world_size, "global_batch_pairs": global_pairs, "total_steps": total_steps,
+               "warmup_steps": warmup_steps, "epochs": epoch, "pairs": len(pairs), "eval_pairs": len(eval_pairs),
+               "dropped": dict(drops), "eval_dropped": dict(eval_drops), "beta": args.beta,
+               "logps_reduction": "mean" if average_logps else "sum", "reference_cache_dir": cache_dir,
+               "trained_params": sum(p.numel() for _, p in trainable),
+               "non_embedding_params": non_embedding_params, "fsdp": args.use_fsdp, "bf16": bf16,
+               "peak_flops_per_device": peak, "peak_flops_source": peak_source, "resume_from": resume_from}
+    wandb_run = None
+    if is_main:
+        os.makedirs(args.output_dir, exist_ok=True)
+        print(json.dumps({"args": asdict(args), "derived": derived}, indent=1, default=str))
+        if args.report_to == "wandb":
+            import wandb
+            wandb_run = wandb.init(project=args.wandb_project, dir=args.output_dir, config={**asdict(args), **derived},
+                                   mode=os.environ.get("WANDB_MODE", "offline"))
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main else None
+
+    def log(metrics: dict) -> None:
+        """One line on stdout, one JSON line in metrics.jsonl, one wandb row (rank 0 only)."""
+        if is_main:
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=metrics["step"])
+
+    log({"step": start_step, **reference_log, **(evaluate() if eval_pairs else {})})
+    progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="dpo", dynamic_ncols=True)
+
+    # ---- loop ---------------------------------------------------------------------------------
+    train_model.train()
+    for step in range(start_step, total_steps):
+        # schedule
+        lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # save (the state after `step` updates; evaluation runs after the update, in `log`)
+        if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:
+            save_checkpoint(step)
+        t0 = time.perf_counter()
+        # batch: this rank's micro-batches of global batch `step`
+        batch_epoch, indices = batches[step]
+        micro = [collate_pairs(indices[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs], pairs,
+                               pad_id) for k in range(accum)]
+        # loss and backward, accumulating; gradients are synchronised on the last micro-batch only
+        stats = torch.zeros(7, dtype=torch.float64, device=device)  # sums: loss, rewards c/r, accuracy, logps c/r; tokens
+        for k, mb in enumerate(micro):
+            last = k == accum - 1
+            if args.use_fsdp:
+                train_model.set_requires_gradient_sync(last)
+            elif world_size > 1:
+                train_model.require_backward_grad_sync = last  # what DDP's no_sync() context toggles
+            chosen, rejected, _, _ = pair_logps(mb, train_model)
+            idx = mb["index"].to(device)
+            # ALGORITHM: every pair weighs the same. Mean over this micro-batch, / accum over the
+            # accumulation steps; DDP / FSDP2 average over ranks: the mean over the global batch.
+            losses, chosen_r, rejected_r = dpo_loss(
+                chosen.float(), rejected.float(), ref_train[0][idx] if use_reference else None,
+                ref_train[1][idx] if use_reference else None, args.beta, args.loss_type,
+                args.label_smoothing, args.gamma_beta_ratio)
+            (losses.mean() / accum).backward()
+            stats += torch.stack([losses.detach().sum(), chosen_r.sum(), rejected_r.sum(),
+                                  (chosen_r > rejected_r).float().sum(), chosen.detach().sum(), rejected.detach().sum(),
+                                  torch.tensor(float(sum(mb["doc_lengths"])), device=device)]).double()
+        # clip, step
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable],
+                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # log
+        local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
+                                      config.hidden_size) for mb in micro)
+        if world_size > 1:
+            dist.all_reduce(stats)
+        step_flops = all_reduce_sum([local_flops])[0]
+        dt = time.perf_counter() - t0
+        progress.update(1)
+        last_step = step + 1 == total_steps
+        eval_now = bool(eval_pairs) and (last_step or (args.eval_steps > 0 and (step + 1) % args.eval_steps == 0))
+        if eval_now or last_step or (step + 1) % args.logging_steps == 0:
+            loss, r_chosen, r_rejected, acc, logp_c, logp_r = (stats[:6] / global_pairs).tolist()
+            metrics = {"step": step + 1, "train/loss": loss, "train/rewards/chosen": r_chosen,
+                       "train/rewards/rejected": r_rejected, "train/rewards/margin": r_chosen - r_rejected,
+                       "train/accuracy": acc, "train/logps/chosen": logp_c, "train/logps/rejected": logp_r,
+                       "train/lr": lr, "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
+                       "time/step_s": dt, "perf/tokens_per_s": stats[6].item() / dt, "perf/mfu": step_flops / dt / peak_total}
+            progress.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.2f}", lr=f"{lr:.2e}")
+            log({**metrics, **(evaluate() if eval_now else {})})  # eval: the model after step + 1 updates
+    progress.close()
+
+    # ---- save -----------------------------------------------------------------------------------
+    model_sd = get_model_state_dict(model, options=full)
+    if is_main:
+        save_hf(args.output_dir, model_sd)
+        if args.use_lora and args.merge_lora:
+            from peft import PeftModel
+            base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+            merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+            tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
+        print(f"saved {'LoRA adapter' if args.use_lora else 'model'} to {args.output_dir}")
+        metrics_file.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    barrier()
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

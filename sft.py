@@ -1,0 +1,538 @@
+"""Supervised finetuning (SFT) on chat data: the first stage of the Olmo 3 post-training recipe.
+
+What it trains: a causal LM on conversations (`messages` rows), next-token cross-entropy on the
+assistant's tokens only. Which tokens are trained comes from the chat template's
+`{% generation %}` blocks through `chat_template.py` (Olmo 3 sec 4 / the tokenizer-settings note:
+reasoning, answer, tool calls and the closing token are trained; system, user, tool results, the
+assistant header and inter-turn whitespace are not).
+
+Departures from Olmo 3 (which ran SFT in olmo-core):
+  - Defaults follow Tulu 3's SFT (open-instruct `finetune.py`, Tulu 3 paper Table 6): lr 5e-6,
+    2 epochs, effective batch 128 sequences, linear schedule, 3% warmup, no weight decay,
+    max length 4096. Olmo 3 used packed 32K sequences and per-size learning rates: pass them.
+  - The loss is summed over trained tokens and divided by the number of trained tokens in the
+    whole optimizer step (all ranks, all accumulation micro-batches): every trained token weighs
+    the same however the batch is split. (A per-micro-batch mean over-weights short answers.)
+  - Packing (`--packing`) is greedy in shuffled order and never splits a conversation; attention
+    and position ids restart at every conversation, so a packed row is exactly several
+    independent sequences (tested against the unpacked batch).
+  - Master weights stay fp32 on GPU too (bf16 autocast for DDP, bf16 compute / fp32 reduce for
+    FSDP2): a bf16 weight cannot hold an update of lr 5e-6 x O(1).
+
+Launch (the same file everywhere; torchrun sets the ranks, world size 1 runs the same code):
+
+    # one GPU
+    python sft.py --model_name_or_path allenai/Olmo-3-1025-7B --dataset_mixer_list allenai/Dolci-Think-SFT 1.0 \\
+        --per_device_train_batch_size 1 --gradient_accumulation_steps 128 --gradient_checkpointing \\
+        --use_lora --output_dir output/sft
+    # one node, 8 GPUs (FSDP2 shards a model that does not fit one GPU)
+    torchrun --nproc-per-node 8 sft.py --model_name_or_path allenai/Olmo-3-1025-7B \\
+        --dataset_mixer_list allenai/Dolci-Think-SFT 1.0 other/mix.jsonl 0.5 --use_fsdp --packing \\
+        --gradient_checkpointing --per_device_train_batch_size 1 --gradient_accumulation_steps 16 \\
+        --report_to wandb --output_dir output/sft
+    # two nodes (run on each node; NODE_RANK 0 and 1, MASTER_ADDR = node 0)
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 --master-addr $MASTER_ADDR --master-port 29500 \\
+        sft.py --use_fsdp --packing ... (as above)
+    # tiny CPU run on the toy model: 2 ranks x 8 rows, 374 steps; loss 5.9 -> 0.58, the boxed-answer
+    # format always, ~3-6% of the toy problems right (measured: 18 min at ~900 tokens/s on 2 shared, busy cores)
+    python toy.py model /tmp/toy && python toy.py data /tmp/toy_data
+    torchrun --nproc-per-node 2 sft.py --model_name_or_path /tmp/toy --dataset_mixer_list /tmp/toy_data/sft.jsonl 1.0 \\
+        --num_train_epochs 2 --learning_rate 3e-3 --per_device_train_batch_size 8 --gradient_accumulation_steps 1 \\
+        --output_dir /tmp/toy_sft
+
+Outputs in `--output_dir`: the final model as a Hugging Face directory (weights, config, tokenizer
+and its chat template; with `--use_lora` the peft adapter, and with `--merge_lora` also the merged
+model in `merged/`), `metrics.jsonl` (one JSON line per step), and `checkpoints/step_N/` (the HF
+directory plus `training_state.pt` and per-rank RNG files; `checkpoints/latest` names the newest
+complete one). `--resume` continues from it exactly: same data order, same schedule, same losses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+
+import chat_template
+
+
+@dataclass
+class Args:
+    # --- run and logging ---
+    output_dir: str = field(default="output/sft", metadata={"help": "final model, metrics.jsonl and checkpoints/ go here"})
+    seed: int = field(default=42, metadata={"help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
+    report_to: str = field(default="none", metadata={"help": "none | wandb (offline unless WANDB_MODE=online)"})
+    wandb_project: str = field(default="olmo3-posttrain", metadata={"help": "wandb project name"})
+    logging_steps: int = field(default=1, metadata={"help": "log a line and a metrics dict every N optimizer steps"})
+    save_steps: int = field(default=500, metadata={"help": "write a resumable checkpoint every N optimizer steps (0: never)"})
+    resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest (same args)"})
+    # --- model and data ---
+    model_name_or_path: str = field(default=None, metadata={"help": "HF model directory or hub id (offline: a local dir)"})
+    dataset_mixer_list: list[str] = field(default_factory=list, metadata={
+        "help": "source / amount pairs: `a.jsonl 1.0 org/b 500` (a fraction <= 1 or a row count per source)"})
+    chat_template: str = field(default=None, metadata={
+        "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
+                "The template used for training is saved with the model"})
+    max_seq_length: int = field(default=4096, metadata={"help": "max tokens per conversation (and per packed row); Tulu 3: 4096"})
+    over_length_strategy: str = field(default="drop", metadata={"help": "what to do with longer conversations (see chat_template.py)"})
+    packing: bool = field(default=False, metadata={
+        "help": "pack several conversations per row up to max_seq_length (attention never crosses them)"})
+    # --- algorithm (defaults: Tulu 3 SFT, open-instruct finetune.py) ---
+    num_train_epochs: int = field(default=2, metadata={"help": "passes over the data (Tulu 3: 2)"})
+    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; overrides num_train_epochs when > 0"})
+    learning_rate: float = field(default=5e-6, metadata={"help": "peak AdamW learning rate (Tulu 3 8B: 5e-6)"})
+    lr_scheduler_type: str = field(default="linear", metadata={"help": "linear | cosine decay to 0 after warmup (Tulu 3: linear)"})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "fraction of steps with linear warmup (Tulu 3: 0.03)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices; never on norms (Tulu 3: 0)"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (<= 0: no clipping, still logged)"})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "rows per micro-batch per rank"})
+    gradient_accumulation_steps: int = field(default=16, metadata={
+        "help": "micro-batches per optimizer step (Tulu 3: 1 x 16 x 8 GPUs = 128 sequences)"})
+    use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (peft) instead of all weights"})
+    lora_rank: int = field(default=64, metadata={"help": "LoRA rank (open-instruct: 64)"})
+    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha; the update is scaled by alpha / rank (open-instruct: 16)"})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "module names to adapt, or `all-linear` (every linear layer except the LM head)"})
+    merge_lora: bool = field(default=False, metadata={"help": "also save base + adapter merged, in output_dir/merged"})
+    # --- system ---
+    use_fsdp: bool = field(default=False, metadata={
+        "help": "FSDP2: shard each decoder layer, then the root (automatic on GPU when weights + Adam do not fit)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward pass"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: batching, loss, schedule, FLOPs, checkpoints
+# ---------------------------------------------------------------------------------------------
+def pack_rows(lengths: list[int], order: list[int], max_seq_length: int, packing: bool) -> list[list[int]]:
+    """Conversation indices (in `order`) -> rows, each a list of conversation indices.
+
+    Without packing a row is one conversation. With packing, conversations are appended greedily
+    until the next one would overflow `max_seq_length`; a conversation is never split.
+    """
+    if not packing:
+        return [[i] for i in order]
+    rows, row, used = [], [], 0
+    for i in order:
+        if row and used + lengths[i] > max_seq_length:
+            rows.append(row)
+            row, used = [], 0
+        row.append(i)
+        used += lengths[i]
+    if row:
+        rows.append(row)
+    return rows
+
+
+def collate(rows: list[list[int]], examples: list[dict], pad_id: int) -> dict:
+    """Rows of conversations -> `input_ids`, `targets`, `position_ids`, all (B, T), padded on the right.
+
+    `targets[t]` is the label of token t + 1, shifted inside each conversation, so the last token
+    of one conversation never predicts the first token of the next. Position ids restart at 0 for
+    every conversation and for the padding: transformers (5.x) turns restarting position ids into
+    a block-diagonal causal mask when no attention mask is passed (masking_utils.
+    find_packed_sequence_indices), so attention never crosses conversations either.
+    """
+    seqs = []
+    for row in rows:
+        ids, tgt, pos = [], [], []
+        for i in row:
+            ex = examples[i]
+            ids += ex["input_ids"]
+            tgt += ex["labels"][1:] + [-100]
+            pos += range(len(ex["input_ids"]))
+        seqs.append((ids, tgt, pos))
+    width = max(len(s[0]) for s in seqs)
+    batch = {"input_ids": [], "targets": [], "position_ids": []}
+    for ids, tgt, pos in seqs:
+        pad = width - len(ids)
+        batch["input_ids"].append(ids + [pad_id] * pad)
+        batch["targets"].append(tgt + [-100] * pad)
+        batch["position_ids"].append(pos + list(range(pad)))  # the padding is its own "conversation"
+    batch = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+    batch["doc_lengths"] = [len(examples[i]["input_ids"]) for row in rows for i in row]  # for FLOPs
+    return batch
+
+
+def token_nll(model, batch: dict, device) -> torch.Tensor:
+    """Per-token negative log-likelihood (B, T), 0 where the target is -100.
+
+    No attention mask on purpose: with `attention_mask=None` (and no KV cache) transformers builds
+    the per-conversation causal mask from the restarting `position_ids` (see `collate`).
+    """
+    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                   use_cache=False).logits  # (B, T, V)
+    targets = batch["targets"].to(device)  # (B, T)
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    return nll.view_as(targets)
+
+
+# ALGORITHM: the SFT loss. Summed over this micro-batch's trained tokens and divided by the trained
+# tokens of the whole optimizer step (all ranks, all accumulation steps, all-reduced before any
+# backward). Accumulating these gradients over micro-batches and summing over ranks gives
+# d(sum of all token NLLs / all trained tokens): every token weighs the same, however the batch is
+# split. DDP and FSDP2 *average* gradients over ranks, so the loss is multiplied by world_size to
+# turn their average back into a sum.
+def sft_loss(model, batch: dict, device, num_trained_tokens: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (loss to backpropagate, detached NLL sum of this micro-batch for logging)."""
+    nll_sum = token_nll(model, batch, device).sum()
+    return nll_sum * world_size / num_trained_tokens, nll_sum.detach()
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then linear or cosine decay towards 0.
+
+    A pure function of the step, so the step count is the whole scheduler state in a checkpoint.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown lr_scheduler_type {kind!r} (linear | cosine)")
+
+
+def train_flops(doc_lengths: list[int], non_embedding_params: int, num_layers: int, hidden_size: int) -> float:
+    """FLOPs of one forward + backward over these conversations (Kaplan et al. 2020 / PaLM appendix B).
+
+    6 x N per token for the matmuls (N = parameters except the input embedding; the untied LM head
+    is a real matmul, so it counts), plus causal attention: QK^T and AV cost 4 x hidden x context
+    per token per layer forward; the mean causal context of a length-L conversation is L / 2, and
+    backward is twice forward, so a conversation costs 6 x layers x hidden x L^2 (attention never
+    crosses conversations, so packing does not add to it). LoRA's frozen weights skip their
+    weight-gradient matmul: this overstates LoRA's FLOPs by up to a third.
+    """
+    tokens = sum(doc_lengths)
+    return 6.0 * non_embedding_params * tokens + 6.0 * num_layers * hidden_size * sum(L * L for L in doc_lengths)
+
+
+def peak_flops(device) -> tuple[float, str]:
+    """Peak FLOP/s of one device: the datasheet on known GPUs (bf16 dense), else measured with a matmul."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in {"H100": 989e12, "H200": 989e12, "A100": 312e12}.items():
+            if key in name:
+                return value, f"{name} datasheet bf16 dense"
+    n, reps = 1024, 8
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - start), f"measured fp32 {n}x{n} matmul on {device.type}"
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs never count."""
+    root = os.path.join(output_dir, "checkpoints")
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(path, "training_state.pt")):
+            return path
+    steps = [d for d in os.listdir(root) if d.startswith("step_")] if os.path.isdir(root) else []
+    steps = [d for d in steps if os.path.isfile(os.path.join(root, d, "training_state.pt"))]
+    return os.path.join(root, max(steps, key=lambda d: int(d.split("_")[1]))) if steps else None
+
+
+def fsync_dir(path: str) -> None:
+    """Flush every file under `path` and the directory entries themselves to disk (plumbing)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+def main():
+    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    if not args.model_name_or_path or not args.dataset_mixer_list:
+        raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
+
+    # ---- setup (plumbing: the same block in every stage script) ---------------------------
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+    torch.manual_seed(args.seed)  # same on every rank until the model is built (LoRA init must agree)
+    random.seed(args.seed + rank)
+
+    def barrier():
+        if world_size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    # ---- data -------------------------------------------------------------------------------
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if args.chat_template:  # train with it and save it with the model, so inference renders the same way
+        tokenizer.chat_template = chat_template.get_template(args.chat_template)
+    if not is_main:
+        barrier()  # rank 0 fills the datasets cache first
+    dataset = chat_template.load_mixture(args.dataset_mixer_list, seed=args.seed)
+    dataset, drops = chat_template.tokenize_sft(dataset, tokenizer, args.max_seq_length,
+                                                over_length_strategy=args.over_length_strategy,
+                                                chat_template=args.chat_template)
+    if is_main:
+        barrier()
+    examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+    lengths = [len(e["input_ids"]) for e in examples]
+    if not examples:
+        raise SystemExit(f"no trainable rows left (dropped: {dict(drops)})")
+
+    # The whole run's batches are a pure function of (seed, epoch): epoch e shuffles with seed + e.
+    # Batch s of the run is the data position a checkpoint stores, so a resume sees the same rows.
+    micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_rows = micro_bs * accum * world_size
+    batches, epoch = [], 0
+    while True:
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        rows = pack_rows(lengths, order, args.max_seq_length, args.packing)
+        if len(rows) < global_rows:
+            raise SystemExit(f"{len(rows)} rows cannot fill one global batch of {global_rows} rows")
+        batches += [(epoch, rows[i:i + global_rows]) for i in range(0, len(rows) - global_rows + 1, global_rows)]
+        epoch += 1
+        if (args.max_steps > 0 and len(batches) >= args.max_steps) or (args.max_steps <= 0 and epoch >= args.num_train_epochs):
+            break
+    total_steps = args.max_steps if args.max_steps > 0 else len(batches)
+    batches = batches[:total_steps]
+    warmup_steps = math.ceil(args.warmup_ratio * total_steps)
+
+    # ---- model --------------------------------------------------------------------------------
+    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
+    if args.resume and resume_from is None and is_main:
+        print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch")
+    # Weights stay fp32 (master weights); compute runs in bf16 on GPU through autocast (DDP) or
+    # FSDP2's mixed-precision policy. CPU trains in fp32.
+    weights_from = resume_from if (resume_from and not args.use_lora) else args.model_name_or_path
+    model = AutoModelForCausalLM.from_pretrained(weights_from, dtype=torch.float32, attn_implementation="sdpa")
+    # sdpa (and eager) honour the block-diagonal packed mask for any batch size. flash-attention's
+    # position-id varlen path only applies with batch size 1, so it is not offered here.
+    model.config.use_cache = False
+    config = model.config
+    non_embedding_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.use_lora:
+        from peft import LoraConfig, PeftModel, get_peft_model
+        if resume_from:
+            model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
+        else:
+            targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
+            model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                     target_modules=targets, task_type="CAUSAL_LM"))
+    torch.manual_seed(args.seed + rank)  # from here on each rank has its own RNG stream
+
+    # fp32 weights (4 bytes per parameter) + grads and two Adam moments for the trained ones (12 more)
+    train_bytes = sum(4 * p.numel() + (12 * p.numel() if p.requires_grad else 0) for p in model.parameters())
+    if device.type == "cuda" and not args.use_fsdp and world_size > 1 and \
+            train_bytes > 0.7 * torch.cuda.get_device_properties(device).total_memory:
+        args.use_fsdp = True  # it would not fit one GPU: shard it
+    if not args.use_fsdp:
+        model.to(device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
+    bf16 = device.type == "cuda"
+    if args.use_fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        base = model.get_base_model() if args.use_lora else model
+        layer_names = set(base._no_split_modules or [])  # the decoder layer class, e.g. Olmo3DecoderLayer
+        for module in model.modules():
+            if type(module).__name__ in layer_names:
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        train_model = model
+    elif world_size > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if bf16 else None)
+    else:
+        train_model = model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for n, p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    start_step = 0
+    if resume_from:
+        state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        start_step = state["step"]
+        changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
+                   if k not in ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to") and getattr(args, k, v) != v}
+        if changed and is_main:  # a different run would not continue "exactly"; say so loudly
+            print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
+        rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
+        if os.path.isfile(rng_file):
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            if bf16 and rng.get("cuda") is not None:
+                torch.cuda.set_rng_state(rng["cuda"])
+
+    def save_hf(path: str, state_dict: dict) -> None:
+        """Rank 0: weights (or the LoRA adapter), config, tokenizer and its chat template (plumbing)."""
+        model.save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)
+
+    def save_checkpoint(step: int) -> None:
+        """Atomic: write everything into a temp dir, fsync, rename, then move `latest`; old ones go last."""
+        model_sd = get_model_state_dict(model, options=full)  # collective: every rank calls it
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
+        root = os.path.join(args.output_dir, "checkpoints")
+        name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf(tmp, model_sd)
+            torch.save({"optimizer": optim_sd, "step": step, "args": asdict(args), "world_size": world_size,
+                        "scheduler": {"step": step, "total_steps": total_steps, "warmup_steps": warmup_steps}},
+                       os.path.join(tmp, "training_state.pt"))
+        barrier()
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state() if bf16 else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+        barrier()
+        if is_main:
+            fsync_dir(tmp)
+            final = os.path.join(root, name)
+            if os.path.exists(final):  # the same step saved again (after a resume): replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            with open(os.path.join(root, "latest.tmp"), "w") as f:
+                f.write(name)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+            for old in os.listdir(root):  # only now, with the new one complete, drop the older ones
+                if old.startswith("step_") and old != name:
+                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        barrier()
+
+    # ---- logging (plumbing) ---------------------------------------------------------------
+    peak, peak_source = peak_flops(device)
+    peak_total = all_reduce_sum([peak])[0]
+    derived = {"world_size": world_size, "global_batch_rows": global_rows, "total_steps": total_steps,
+               "warmup_steps": warmup_steps, "epochs": epoch, "conversations": len(examples),
+               "dropped": dict(drops), "trained_params": sum(p.numel() for _, p in trainable),
+               "non_embedding_params": non_embedding_params, "fsdp": args.use_fsdp, "bf16": bf16,
+               "peak_flops_per_device": peak, "peak_flops_source": peak_source, "resume_from": resume_from}
+    wandb_run = None
+    if is_main:
+        os.makedirs(args.output_dir, exist_ok=True)
+        print(json.dumps({"args": asdict(args), "derived": derived}, indent=1, default=str))
+        if args.report_to == "wandb":
+            import wandb
+            wandb_run = wandb.init(project=args.wandb_project, dir=args.output_dir, config={**asdict(args), **derived},
+                                   mode=os.environ.get("WANDB_MODE", "offline"))
+    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main else None
+    progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="sft", dynamic_ncols=True)
+
+    # ---- loop ---------------------------------------------------------------------------------
+    train_model.train()
+    for step in range(start_step, total_steps):
+        # schedule
+        lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # save (the state after `step` updates)
+        if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:
+            save_checkpoint(step)
+        t0 = time.perf_counter()
+        # batch: this rank's micro-batches of global batch `step`; count trained tokens over the whole step first
+        batch_epoch, rows = batches[step]
+        micro = [collate(rows[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs], examples,
+                         tokenizer.pad_token_id) for k in range(accum)]
+        local_trained = sum(int((mb["targets"] != -100).sum()) for mb in micro)
+        local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
+                                      config.hidden_size) for mb in micro)
+        num_trained, num_tokens, step_flops = all_reduce_sum(
+            [local_trained, sum(sum(mb["doc_lengths"]) for mb in micro), local_flops])
+        # loss and backward, accumulating; gradients are synchronised on the last micro-batch only
+        nll_total = 0.0
+        for k, mb in enumerate(micro):
+            last = k == accum - 1
+            if args.use_fsdp:
+                train_model.set_requires_gradient_sync(last)
+            elif world_size > 1:
+                train_model.require_backward_grad_sync = last  # what DDP's no_sync() context toggles
+            with autocast:
+                loss, nll_sum = sft_loss(train_model, mb, device, max(num_trained, 1), world_size)
+            loss.backward()
+            nll_total += nll_sum.item()
+        # clip, step
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable],
+                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # log
+        nll_total = all_reduce_sum([nll_total])[0]
+        dt = time.perf_counter() - t0
+        progress.update(1)
+        if is_main and ((step + 1) % args.logging_steps == 0 or step + 1 == total_steps):
+            metrics = {"step": step + 1, "train/loss": nll_total / max(num_trained, 1), "train/lr": lr,
+                       "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
+                       "train/trained_tokens": int(num_trained), "time/step_s": dt,
+                       "perf/tokens_per_s": num_tokens / dt, "perf/mfu": step_flops / dt / peak_total}
+            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{lr:.2e}")
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=step + 1)
+    progress.close()
+
+    # ---- save -----------------------------------------------------------------------------------
+    model_sd = get_model_state_dict(model, options=full)
+    if is_main:
+        save_hf(args.output_dir, model_sd)
+        if args.use_lora and args.merge_lora:
+            from peft import PeftModel
+            base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+            merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+            tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
+        print(f"saved {'LoRA adapter' if args.use_lora else 'model'} to {args.output_dir}")
+        metrics_file.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+    barrier()
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

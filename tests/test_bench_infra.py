@@ -1,0 +1,111 @@
+"""bench_infra.sh: the report step on synthetic run directories (fast, hand-computed values), the
+script's argument handling, and (slow) one very short real run of one configuration."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "bench_infra.sh")
+
+
+def _write_run(root, name, summary, steps):
+    """A finished grpo.py output directory: summary.json and metrics.jsonl (train steps only)."""
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    base = {"args": {}, "wall_s": 100.0, "mean_data_wait_s": 1.0, "peak_source": "see metrics.jsonl perf/peak_source",
+            "eval_pass@1": [], "static_wasted_fraction": None}
+    with open(os.path.join(d, "summary.json"), "w") as f:
+        json.dump({**base, **summary}, f)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "kind": "eval", "time": 1.0, "eval/pass@1": 0.0}) + "\n")  # ignored
+        for i, (t, mean_len, max_len) in enumerate(steps):
+            f.write(json.dumps({"step": i + 1, "kind": "train", "time": t, "time/step": 4.0,
+                                "rollout/response_length": mean_len, "rollout/response_length_max": max_len,
+                                "rollout/groups_dropped_stale": 1, "rollout/prompts_consumed": 16, "train/trained_tokens": 100,
+                                "perf/actor_tokens_per_s": 100.0 + i, "perf/learner_tokens_per_s": 50.0,
+                                "perf/peak_source": "measured on cpu: fp32 matmul 1024^3 and a 64 MiB copy (read+write)"}) + "\n")
+
+
+def _summary(gen, occ, step_s, sync_s, steps=3, waste=None):
+    return {"steps": steps, "generated_tokens_per_s": gen, "learner_tokens_per_s": 400.0, "mean_step_time_s": step_s,
+            "mean_weight_sync_s": sync_s, "actor_mfu": 0.012, "actor_mbu": 0.034, "actor_occupancy": occ,
+            "actor_weight_wait_s": 2.5, "learner_data_wait_s": 7.5, "static_wasted_fraction": waste}
+
+
+def _report(results_dir):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("CONFIGS", None)
+    return subprocess.run(["bash", SCRIPT, "--report", str(results_dir)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_report_hand_computed(tmp_path):
+    # static: step ends at 10, 20, 30 s -> steady state 2 steps / 20 s = 6 steps/min
+    _write_run(tmp_path, "static_drained", _summary(100.0, 0.50, 10.0, 0.5, waste=0.54), [(10.0, 100, 200), (20.0, 100, 200), (30.0, 100, 200)])
+    # continuous drained: 2 steps / 16 s = 7.5 steps/min; would-be waste from lengths: (200-100)/200, (300-150)/300 -> 0.5
+    _write_run(tmp_path, "continuous_drained", _summary(180.0, 0.95, 8.0, 0.4), [(5.0, 100, 200), (13.0, 150, 300), (21.0, 100, 200)])
+    # continuous inflight: 2 steps / 12 s = 10 steps/min; weight sync 1.2 s of a 6 s step = 20% (misses the target)
+    _write_run(tmp_path, "continuous_inflight", _summary(200.0, 0.97, 6.0, 1.2), [(4.0, 100, 200), (10.0, 100, 200), (16.0, 100, 200)])
+    p = _report(tmp_path)
+    assert p.returncode == 0, p.stderr + p.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    assert [r["config"] for r in res["rows"]] == ["static_drained", "continuous_drained", "continuous_inflight"]
+    assert rows["static_drained"]["learner_steps_per_min"] == pytest.approx(6.0)
+    assert rows["continuous_drained"]["learner_steps_per_min"] == pytest.approx(7.5)
+    assert rows["continuous_inflight"]["learner_steps_per_min"] == pytest.approx(10.0)
+    assert rows["continuous_drained"]["gen_speedup"] == pytest.approx(1.8)
+    assert rows["continuous_inflight"]["gen_speedup"] == pytest.approx(2.0)
+    assert rows["continuous_inflight"]["steps_per_min_speedup"] == pytest.approx(10.0 / 6.0)
+    assert rows["static_drained"]["static_wasted_fraction"] == pytest.approx(0.54)  # the engine's own measure
+    assert rows["continuous_drained"]["static_wasted_fraction"] == pytest.approx(0.5)  # would-be, from lengths
+    assert rows["continuous_inflight"]["weight_sync_share_of_step"] == pytest.approx(0.2)
+    assert rows["static_drained"]["trained_tokens_per_s"] == pytest.approx(300 / (30.0 - 10.0 + 4.0))  # 3 x 100 tokens, 24 s
+    assert rows["static_drained"]["groups_dropped_stale"] == 3 and rows["static_drained"]["prompts_consumed"] == 48
+    t = res["targets"]
+    assert t["continuous_vs_static_gen"]["measured"] == pytest.approx(1.8) and t["continuous_vs_static_gen"]["holds"]
+    assert t["inflight_vs_drained_steps_per_min"]["measured"] == pytest.approx(10.0 / 7.5) and t["inflight_vs_drained_steps_per_min"]["holds"]
+    assert t["occupancy_continuous"]["measured"] == pytest.approx(0.95) and t["occupancy_continuous"]["holds"]
+    assert t["weight_sync_share_of_step"]["measured"] == pytest.approx(0.2) and not t["weight_sync_share_of_step"]["holds"]
+    # every column in the issue is in the printed table and in results.md
+    md = (tmp_path / "results.md").read_text()
+    for col in ["gen tok/s", "learner tok/s", "trained tok/s", "steps", "mean step s", "actor MFU", "actor MBU", "occupancy",
+                "actor weight wait s", "learner data wait s", "static waste", "gen speedup", "steps/min speedup"]:
+        assert col in p.stdout and col in md, col
+    assert "measured on cpu" in p.stdout  # the output says where the peaks came from
+    assert "MISSED" in md and "nan" not in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    png = tmp_path / "tokens_per_s.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_without_runs_fails_clearly(tmp_path):
+    p = _report(tmp_path)
+    assert p.returncode != 0 and "no finished runs" in p.stderr
+
+
+def test_unknown_argument_is_refused():
+    p = subprocess.run(["bash", SCRIPT, "--steps", "3"], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "environment variables" in p.stderr
+
+
+@pytest.mark.slow
+def test_one_short_real_run(toy_model_dir, tmp_path):
+    """One configuration, 2 steps of 4 prompts x 2 samples, 64 tokens: the script's run + report path
+    on real grpo.py output (the full three-way benchmark is the script itself, never a timed test)."""
+    env = dict(os.environ, PYTHON=sys.executable, MODEL=toy_model_dir, CONFIGS="continuous_inflight", STEPS="2",
+               PROMPTS_PER_STEP="4", SAMPLES_PER_PROMPT="2", MAX_RESPONSE_LENGTH="64", MAX_PROMPT_LENGTH="64",
+               RESULTS_DIR=str(tmp_path / "res"), CACHE_DIR=str(tmp_path / "cache"), VLLM_CPU_KVCACHE_SPACE="1")
+    p = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "res" / "results.json").read_text())
+    (row,) = res["rows"]
+    assert row["steps"] == 2 and row["generated_tokens_per_s"] > 0 and 0 < row["actor_occupancy"] <= 1.0
+    assert 0 < row["actor_mbu"] and 0 < row["actor_mfu"]
+    assert (tmp_path / "res" / "run_continuous_inflight.log").exists()

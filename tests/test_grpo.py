@@ -1,0 +1,432 @@
+"""grpo.py: unit tests of the pure pieces (loss, advantages, active sampling, off-policy bound, packing,
+utilization math) against hand-computed values, then end-to-end runs on the toy model (marked slow):
+an inflight weight update seen token by token, colocated learning, torchrun learner + actor, a killed
+actor, resume."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import grpo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLMO3_7B = grpo.ModelShape(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=100278)
+
+
+# -------------------------------------------------------------------------------------------------
+# Utilization math (DESIGN.md sec 3), Olmo 3 7B's shape
+# -------------------------------------------------------------------------------------------------
+def test_matmul_params_olmo3_7b():
+    # per layer: q, k, v, o = 4 x 4096 x 4096 = 67,108,864; gated MLP 3 x 4096 x 11008 = 135,266,304
+    assert OLMO3_7B.matmul_params() == 32 * (67_108_864 + 135_266_304) == 6_476_005_376
+    assert OLMO3_7B.kv_bytes_per_token(2) == 2 * 32 * 32 * 128 * 2 == 524_288
+
+
+@pytest.mark.parametrize("context, flops", [
+    # 2 x 6,476,005,376 + 4 x 32 x 32 x 128 x c + 2 x 4096 x 100278 = 13,773,488,128 + 524,288 c
+    (1, 13_773_488_128 + 524_288),
+    (1000, 14_297_776_128),
+    (32768, 30_953_357_312),
+])
+def test_decode_flops(context, flops):
+    f, kv = grpo.decode_cost(OLMO3_7B, context, 2)
+    assert f == flops
+    assert kv == context * 524_288  # reads context-1 cached tokens' K and V, writes its own
+
+
+def test_prefill_flops_is_causal():
+    # 2 x 6,476,005,376 x 2048 + 524,288 x (2048 x 2049 / 2) + 2 x 4096 x 100278 (one sampled position)
+    f, kv = grpo.prefill_cost(OLMO3_7B, 2048, 2)
+    assert f == 26_525_718_020_096 + 1_100_048_498_688 + 821_477_376 == 27_626_587_996_160
+    assert kv == 2048 * 524_288
+    # the attention part is about half of a full p^2 (causal)
+    attn = f - 2 * 6_476_005_376 * 2048 - 821_477_376
+    assert attn / (524_288 * 2048 ** 2) == pytest.approx(0.5, rel=1e-3)
+
+
+@pytest.mark.parametrize("batch, context", [(1, 1000), (16, 4096), (64, 1000), (256, 32768)])
+def test_mbu_counts_weights_once_per_step(batch, context):
+    weights = (6_476_005_376 + 410_738_688) * 2  # 13,773,488,128 bytes in bf16
+    flops, nbytes = grpo.engine_step_cost(OLMO3_7B, [], [context] * batch, 2)
+    assert nbytes == weights + batch * context * 524_288
+    assert flops == batch * (13_773_488_128 + 524_288 * context)
+    # the weights once per step, never once per sequence (what pushes MBU past 100% elsewhere)
+    assert nbytes - batch * context * 524_288 == weights
+
+
+def test_mfu_mbu_hand_computed():
+    # 64 sequences at context 1000, one decode step in 50 ms on an H100 (989e12 FLOP/s, 3.35e12 B/s)
+    flops, nbytes = grpo.engine_step_cost(OLMO3_7B, [], [1000] * 64, 2)
+    assert (flops, nbytes) == (915_057_672_192, 47_327_920_128)
+    mfu, mbu = grpo.utilization(flops, nbytes, 0.05, 989e12, 3.35e12)
+    assert mfu == pytest.approx(915_057_672_192 / 0.05 / 989e12) == pytest.approx(0.0185047, rel=1e-5)
+    assert mbu == pytest.approx(0.2825547, rel=1e-5)
+    # a prefill of 2048 tokens plus 8 decodes in the same step: the weights still count once
+    f2, b2 = grpo.engine_step_cost(OLMO3_7B, [2048], [1000] * 8, 2)
+    assert f2 == 27_626_587_996_160 + 8 * 14_297_776_128
+    assert b2 == 13_773_488_128 + 2048 * 524_288 + 8 * 1000 * 524_288
+    # three engine steps merged into one report: weights three times
+    assert grpo.engine_step_cost(OLMO3_7B, [], [10], 2, num_engine_steps=3)[1] == 3 * 13_773_488_128 + 10 * 524_288
+
+
+def test_static_waste_matches_paper():
+    # Olmo 3 sec 4.4: mean 14628 at a max of 32000 -> 54% wasted
+    assert grpo.static_waste([32000, 6000, 5884]) == pytest.approx((32000 - 14628) / 32000) == pytest.approx(0.542875)
+    assert grpo.static_waste([10, 10]) == 0.0
+
+
+def test_measured_peaks_on_cpu():
+    flops, bw, source = grpo.measure_peaks("cpu")
+    assert flops > 1e8 and bw > 1e8 and "measured" in source
+
+
+# -------------------------------------------------------------------------------------------------
+# Advantages, active sampling, off-policy bound
+# -------------------------------------------------------------------------------------------------
+def test_advantages():
+    assert grpo.compute_advantages([[1, 0, 0, 1]], "centered") == [[0.5, -0.5, -0.5, 0.5]]
+    std = grpo.compute_advantages([[1, 0, 0, 1], [1, 1]], "standard")
+    assert std[0] == pytest.approx([1, -1, -1, 1], abs=1e-5)  # population std 0.5
+    assert std[1] == [0.0, 0.0]  # zero-std group: 0, not nan
+
+
+def test_filter_reason():
+    assert grpo.filter_reason([1, 1, 1]) == "all_solved"
+    assert grpo.filter_reason([0, 0]) == "all_failed"
+    assert grpo.filter_reason([0.5, 0.5]) == "zero_std"
+    assert grpo.filter_reason([1]) == "too_few_samples"
+    assert grpo.filter_reason([1, 0]) is None
+
+
+def test_active_sampling_exact_batch_when_most_groups_filtered():
+    import random
+
+    rng = random.Random(0)
+    made = []
+
+    def pull():  # groups arrive in bunches of 1-5; 90% have zero reward std
+        out = []
+        for _ in range(rng.randint(1, 5)):
+            kind = rng.random()
+            rewards = [1.0] * 8 if kind < 0.45 else [0.0] * 8 if kind < 0.9 else [1.0, 0.0] * 4
+            out.append({"id": len(made), "rewards": rewards})
+            made.append(out[-1])
+        return out
+
+    kept, leftover, counts = grpo.active_sampling(pull, 16, max_prompts=10_000)
+    assert len(kept) == 16
+    assert all(grpo.filter_reason(g["rewards"]) is None for g in kept)
+    assert counts["prompts"] == len(made) - len(leftover)
+    assert counts["prompts"] == 16 + counts["all_solved"] + counts["all_failed"]
+    assert counts["all_solved"] + counts["all_failed"] > 4 * 16  # most were filtered
+    assert {g["id"] for g in kept} | {g["id"] for g in leftover} <= {g["id"] for g in made}
+    # leftovers are the tail of the last pull, untouched, for the next step
+    assert [g["id"] for g in leftover] == [g["id"] for g in made[len(made) - len(leftover):]]
+    # a run where nothing carries gradient stops at the cap and says so
+    kept, _, counts = grpo.active_sampling(lambda: [{"rewards": [0.0, 0.0]}], 4, max_prompts=50)
+    assert kept == [] and counts["capped"] == 1 and counts["prompts"] == 50
+
+
+def test_offpolicy_bound_and_drop_count():
+    def group(*versions):
+        return {"samples": [{"versions": list(v)} for v in versions]}
+
+    groups = [group([5, 5], [5]), group([4, 5], [5, 5]), group([3, 4, 5], [5]), group([2], [2, 2])]
+    kept, counts, lags = grpo.offpolicy_filter(groups, learner_version=5, async_steps=1)
+    assert kept == groups[:2]
+    assert counts == {"groups_dropped_stale": 2, "samples_dropped_stale": 4}
+    assert sorted(lags) == sorted([0, 0, 0] + [1, 0, 0, 0] + [2, 1, 0, 0] + [3, 3, 3])
+    kept, counts, _ = grpo.offpolicy_filter(groups, learner_version=5, async_steps=0)
+    assert kept == groups[:1] and counts["groups_dropped_stale"] == 3
+    kept, counts, _ = grpo.offpolicy_filter(groups, learner_version=5, async_steps=3)
+    assert kept == groups and not counts
+
+
+# -------------------------------------------------------------------------------------------------
+# Loss
+# -------------------------------------------------------------------------------------------------
+def _loss_inputs():
+    ratio = torch.tensor([[1.5, 0.5, 1.0]])
+    old = torch.zeros(1, 3)
+    new = torch.log(ratio).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    return new, old, adv, torch.ones(1, 3)
+
+
+def test_grpo_loss_clip_higher_hand_computed():
+    new, old, adv, mask = _loss_inputs()
+    loss, stats = grpo.grpo_loss(new, old, old, adv, mask, 0.2, 0.272, tis_cap=2.0)
+    # token 1: ratio 1.5, A=1: max(-1.5, -1.272) = -1.272 (clipped at 1 + 0.272)
+    # token 2: ratio 0.5, A=-1: max(0.5, 0.8) = 0.8 (clipped at 1 - 0.2)
+    # token 3: ratio 1, A=2: -2.  Mean over 3 tokens: (-1.272 + 0.8 - 2) / 3
+    assert loss.item() == pytest.approx(-2.472 / 3, abs=1e-6)
+    assert stats["clipfrac_sum"] == 2 and stats["tokens"] == 3
+    loss.backward()
+    # clipped tokens get no gradient; token 3: d(-A r)/d log r = -A r = -2, over 3 tokens
+    assert new.grad[0].tolist() == pytest.approx([0.0, 0.0, -2 / 3], abs=1e-6)
+
+
+def test_grpo_loss_global_token_normalization_and_mask():
+    new, old, adv, mask = _loss_inputs()
+    loss, _ = grpo.grpo_loss(new, old, old, adv, mask, 0.2, 0.272, 2.0, num_tokens_global=6)
+    assert loss.item() == pytest.approx(-2.472 / 6, abs=1e-6)  # divided by the global count, not 3
+    loss, _ = grpo.grpo_loss(new, old, old, adv, torch.tensor([[1.0, 1.0, 0.0]]), 0.2, 0.272, 2.0, num_tokens_global=6)
+    assert loss.item() == pytest.approx((-1.272 + 0.8) / 6, abs=1e-6)
+
+
+def test_grpo_loss_truncated_importance_sampling():
+    new, old, adv, mask = _loss_inputs()
+    # exp(old - sampling) = 3 (capped at 2), 0.5, 1
+    sampling = torch.tensor([[-math.log(3.0), math.log(2.0), 0.0]])
+    loss, stats = grpo.grpo_loss(new, old, sampling, adv, mask, 0.2, 0.272, tis_cap=2.0)
+    assert loss.item() == pytest.approx((-1.272 * 2 + 0.8 * 0.5 - 2.0) / 3, abs=1e-6)
+    assert stats["tis_capped_sum"] == 1
+    loss_off, _ = grpo.grpo_loss(new, old, sampling, adv, mask, 0.2, 0.272, tis_cap=0.0)
+    assert loss_off.item() == pytest.approx(-2.472 / 3, abs=1e-6)
+
+
+def test_grpo_loss_k3_kl():
+    new, old, adv, mask = _loss_inputs()
+    ref = new.detach().clone()
+    ref[0, 0] += math.log(2.0)  # d = ref - new = log 2: k3 = 2 - log 2 - 1
+    loss, stats = grpo.grpo_loss(new, old, old, adv, mask, 0.2, 0.272, 2.0, ref_logprobs=ref, beta=0.1)
+    k3 = 2 - math.log(2) - 1
+    assert stats["ref_kl_sum"] == pytest.approx(k3, abs=1e-6)
+    assert loss.item() == pytest.approx((-2.472 + 0.1 * k3) / 3, abs=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------
+# Packing
+# -------------------------------------------------------------------------------------------------
+def _row(p, r, adv=1.0):
+    return {"prompt_ids": list(range(10, 10 + p)), "response_ids": list(range(100, 100 + r)), "advantage": adv,
+            "sampling_logprobs": [-0.5] * r}
+
+
+def test_pack_and_split():
+    rows = [_row(5, 5), _row(3, 3), _row(4, 8), _row(2, 1), _row(6, 6)]
+    bins = grpo.pack_rows(rows, 16)
+    assert sorted(len(r["prompt_ids"]) + len(r["response_ids"]) for b in bins for r in b) == [3, 6, 10, 12, 12]
+    assert all(sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in b) <= 16 for b in bins)
+    assert len(bins) == 3  # 43 tokens in bins of 16
+    shares = grpo.split_bins(bins, 2)
+    assert len(shares[0]) == len(shares[1])  # padded with empty bins: same number of forwards
+    assert sorted(id(b) for s in shares for b in s if b) == sorted(id(b) for b in bins)
+
+
+def test_collate_masks_and_logprobs_match_unpacked():
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Olmo3ForCausalLM(Olmo3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    a, b = _row(4, 3, adv=1.0), _row(2, 5, adv=-1.0)
+    batch = grpo.collate_bin([a, b])
+    # position t predicts t + 1: row a (7 tokens) trains positions 3, 4, 5; row b (7 tokens) 8..12
+    assert batch["mask"].tolist() == [0, 0, 0, 1, 1, 1, 0] + [0, 1, 1, 1, 1, 1, 0]
+    assert batch["position_ids"].tolist() == list(range(7)) + list(range(7))
+    assert batch["advantages"][batch["mask"] > 0].tolist() == [1.0] * 3 + [-1.0] * 5
+    assert batch["sampling_logprobs"][batch["mask"] > 0].tolist() == [-0.5] * 8
+    assert batch["targets"][3:6].tolist() == a["response_ids"]
+    with torch.no_grad():
+        packed, _ = grpo.token_logprobs(model, batch)
+        for start, row in ((0, a), (7, b)):
+            alone, _ = grpo.token_logprobs(model, grpo.collate_bin([row]))
+            assert torch.allclose(packed[start:start + 6], alone[:6], atol=1e-5)  # rows do not see each other
+
+
+# -------------------------------------------------------------------------------------------------
+# End to end (vLLM on CPU, the toy model)
+# -------------------------------------------------------------------------------------------------
+def _args(**kw):
+    args = grpo.Args(enforce_eager=True, max_num_seqs=8, max_prompt_length=64, max_response_length=64, timeout_s=120)
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.slow
+def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir, tmp_path):
+    """Requests running when new weights arrive are neither aborted nor restarted: their early tokens
+    keep the old model's logprobs, their later tokens have the new model's, token for token, and vLLM
+    labels every token with the version that produced it. Then a wrong probe fails loudly."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # only the LM head changes: the KV cache kept across the update stays exact
+        new.lm_head.weight.mul_(4.0)
+    # ignore_eos and max_tokens = 160 (the benchmark knob with a huge mean): long requests
+    args = _args(response_length_sampler="exponential", response_length_mean=10 ** 9, max_response_length=160,
+                 num_samples_per_prompt=2, temperature=1.0)
+    out = []
+    actor = grpo.Actor(args, toy_model_dir, 0, out.append, "cpu")
+    errors = []
+
+    def run():
+        try:
+            actor.run()
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        actor.updates.put({"version": 0})
+        prompt = [5, 6, 7, 8, 9, 10]
+        actor.inbox.put([{"kind": "train", "index": 0, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math", "n": 2}])
+        deadline = time.time() + 120
+        while not (len(actor.pending) == 2 and all(len(s["tokens"]) >= 8 for s in actor.pending.values())):
+            assert time.time() < deadline and not errors, errors
+            time.sleep(0.002)
+        before = {rid: list(s["tokens"]) for rid, s in actor.pending.items()}
+        path = str(tmp_path / "w.pt")
+        sd = {k: v.clone() for k, v in new.state_dict().items()}
+        torch.save(sd, path)
+        # probe: the learner's (new model's) logprobs of a fixed sequence
+        probe_ids = prompt + [20, 21, 22, 23]
+        with torch.no_grad():
+            lp = torch.log_softmax(new(torch.tensor([probe_ids])).logits[0].float(), -1)
+        probe = [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]
+        actor.updates.put({"version": 1, "path": path, "expected": {k: (tuple(v.shape), v.dtype) for k, v in sd.items()},
+                           "probe_ids": probe_ids, "probe_logprobs": probe})
+        while not out:
+            assert time.time() < deadline and not errors, errors
+            time.sleep(0.01)
+        group = out[0]["group"]
+        for j, s in enumerate(group["samples"]):
+            tokens, versions = s["response_ids"], s["versions"]
+            assert len(tokens) == 160
+            k = versions.index(1)  # the first token produced by the new weights
+            assert versions == [0] * k + [1] * (160 - k) and k >= 8
+            assert tokens[:len(before[f"train-0-{j}"])] == before[f"train-0-{j}"]  # not restarted
+            with torch.no_grad():
+                ids = torch.tensor([prompt + tokens])
+                lp_old = torch.log_softmax(old(ids).logits[0].float(), -1)
+                lp_new = torch.log_softmax(new(ids).logits[0].float(), -1)
+            p = len(prompt)
+            ref_old = torch.tensor([lp_old[p - 1 + t, tok].item() for t, tok in enumerate(tokens)])
+            ref_new = torch.tensor([lp_new[p - 1 + t, tok].item() for t, tok in enumerate(tokens)])
+            got = torch.tensor(s["sampling_logprobs"])
+            assert (got[:k] - ref_old[:k]).abs().max() < 2e-3  # before: the old model
+            assert (got[k:] - ref_new[k:]).abs().max() < 2e-3  # after: the new model
+            assert (ref_new[k:] - ref_old[k:]).abs().mean() > 0.1  # and the two models differ
+        # the probe after the update passed; now a probe that disagrees must stop the actor
+        time.sleep(0.5)
+        assert not errors and out[-1]["stats"].get("probe_checks", 0) + actor.stats["probe_checks"] >= 1
+        actor.updates.put({"version": 2, "probe_ids": probe_ids, "probe_logprobs": [x + 0.5 for x in probe]})
+        thread.join(timeout=60)
+        assert errors and "stale or corrupted" in str(errors[0])
+    finally:
+        actor.shutdown()
+
+
+def _grpo_cmd(model, data, out, *extra):
+    return [os.path.join(data, "rlvr.jsonl"), "1.0"], [
+        "--model_name_or_path", model, "--output_dir", out, "--dataset_mixer_list", os.path.join(data, "rlvr.jsonl"), "1.0",
+        "--eval_dataset_mixer_list", os.path.join(data, "eval.jsonl"), "64", "--enforce_eager", "--report_to", "none",
+        "--max_prompt_length", "128", "--max_response_length", "48", "--max_num_seqs", "32", "--timeout_s", "120", *extra]
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_colocated_learns(toy_sft_model_dir, toy_data_dir, tmp_path):
+    """`python grpo.py` (actor thread beside the learner): eval reward rises from the SFT level, every
+    step trains on exactly num_unique_prompts_per_step non-zero-std groups, lag stays within the bound,
+    and the probe agrees after every update."""
+    out = str(tmp_path / "run")
+    _, cmd = _grpo_cmd(toy_sft_model_dir, toy_data_dir, out, "--num_training_steps", "24", "--eval_every", "24",
+                       "--num_unique_prompts_per_step", "8", "--num_samples_per_prompt", "8", "--learning_rate", "3e-5",
+                       "--eval_num_samples", "4", "--pack_length", "1024")
+    subprocess.run([sys.executable, "grpo.py", *cmd], cwd=REPO, check=True, timeout=600)
+    rows = _metrics(out)
+    steps = [r for r in rows if "rollout/groups" in r]
+    assert len(steps) == 24
+    assert all(r["rollout/groups"] == 8 for r in steps)
+    assert sum(r["rollout/filtered_all_solved"] + r["rollout/filtered_all_failed"] for r in steps) > 0
+    assert all(r["rollout/lag_max"] <= 1 for r in steps)
+    assert all(r["sync/probe_max_abs_diff"] < 1e-2 for r in steps if r["sync/probe_checks"])
+    evals = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
+    assert evals[-1] > evals[0], evals
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    for key in ("generated_tokens_per_s", "learner_tokens_per_s", "actor_mfu", "actor_mbu", "actor_occupancy",
+                "actor_weight_wait_s", "learner_data_wait_s", "mean_step_time_s"):
+        assert summary[key] is not None
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 1 actor: train a few steps with a checkpoint each step, kill -9 the actor,
+    and the learner exits with a clear error well within --timeout_s; the last checkpoint loads and
+    --resume continues from it."""
+    out = str(tmp_path / "run")
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "1000", "--eval_every", "0",
+                       "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--save_every", "1",
+                       "--max_prompts_per_step_factor", "2", "--timeout_s", "60")
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        ckpt = os.path.join(out, "checkpoints", "step_2")
+        while not os.path.isdir(ckpt):
+            assert proc.poll() is None, open(tmp_path / "log.txt").read()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.5)
+        text = open(tmp_path / "log.txt").read()
+        actor_pid = int(text.split("[actor rank 1] pid ")[1].split(":")[0])
+        engine_pids = _descendants(actor_pid)  # vLLM's engine core and worker
+        assert engine_pids
+        os.kill(actor_pid, signal.SIGKILL)
+        t = time.time()
+        rc = proc.wait(timeout=90)
+        assert rc != 0 and time.time() - t < 60
+        while any(os.path.exists(f"/proc/{p}") for p in engine_pids):  # the engine does not outlive its actor
+            assert time.time() - t < 30, [p for p in engine_pids if os.path.exists(f"/proc/{p}")]
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:  # torchrun forwards SIGTERM; its workers also die with it (PDEATHSIG)
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    text = open(tmp_path / "log.txt").read()
+    assert "FATAL" in text and "actor" in text
+    from transformers import AutoModelForCausalLM
+
+    last = grpo.latest_checkpoint(os.path.join(out, "checkpoints"))
+    AutoModelForCausalLM.from_pretrained(last)
+    state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
+    assert state["step"] >= 2 and state["sampler_position"] > 0
