@@ -61,6 +61,7 @@ $PY -m torch.distributed.run --nproc-per-node 2 grpo.py --num_learners 1 \
     "${RL_ARGS[@]}"
 
 stage "5/5 evaluation on the held-out split"
-$PY toy.py report --stage base="$OUT/base" --stage SFT="$OUT/sft" --stage DPO="$OUT/dpo" --stage RL="$OUT/rl" \
+RL_FINAL=$(ls -d "$OUT"/rl/checkpoints/step_* | sort -t_ -k2 -n | tail -n 1)   # grpo.py's last checkpoint
+$PY toy.py report --stage base="$OUT/base" --stage SFT="$OUT/sft" --stage DPO="$OUT/dpo" --stage RL="$RL_FINAL" \
     --eval_path "$OUT/data/eval.jsonl" --out_dir "$OUT"
 echo "demo finished in $(( $(date +%s) - started )) s"

@@ -287,9 +287,17 @@ def plot_curves(stage_dirs: dict[str, str], out_path: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def metrics_of(stage):
+        # A stage's column may name a checkpoint inside its run (run/checkpoints/step_N): look up to the run.
+        path = {k.lower(): v for k, v in stage_dirs.items()}.get(stage)
+        for candidate in ([path, os.path.join(path, "..", "..")] if path else []):
+            if os.path.exists(os.path.join(candidate, "metrics.jsonl")):
+                return read_metrics(os.path.join(candidate, "metrics.jsonl"))
+        return []
+
     panels = []
     for stage, key, title in CURVES:
-        rows = [r for r in read_metrics(os.path.join(stage_dirs.get(stage, ""), "metrics.jsonl")) if key in r]
+        rows = [r for r in metrics_of(stage) if key in r]
         if rows:
             panels.append((title, [r.get("step", i) for i, r in enumerate(rows)], [r[key] for r in rows]))
     if not panels:

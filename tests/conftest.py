@@ -40,7 +40,9 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
            "--model_name_or_path", toy_model_dir,
            "--dataset_mixer_list", os.path.join(toy_data_dir, "sft.jsonl"), "1.0",
            "--output_dir", out]
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=900)
+    # One intra-op thread: on two shared cores, two threads per process make a tiny model's steps
+    # ten times slower as soon as anything else runs (measured: 12 s vs 1.2 s per step).
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=1200, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return out
 
 

@@ -1,0 +1,30 @@
+"""demo.sh (what `make demo` runs): the whole recipe, shortened, end to end on the real scripts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.slow
+def test_short_demo_runs_every_stage_and_prints_the_table(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, DEMO_SHORT="1", DEMO_DIR=str(out), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "demo.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("1/5 toy", "2/5 SFT", "3/5 DPO", "4/5 RL", "5/5 evaluation"):
+        assert stage in proc.stdout, stage
+    assert "Accuracy (all, %)" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert list(results) == ["base", "SFT", "DPO", "RL"]
+    for result in results.values():
+        assert result["num_examples"] == 32 and 0.0 <= result["accuracy"] <= 1.0
+    table = (out / "results.md").read_text().splitlines()
+    assert table[0] == "| Toy arithmetic (held-out) | base | SFT | DPO | RL |"
+    assert (out / "curves.png").stat().st_size > 1000
+    for stage in ("sft", "dpo", "rl"):
+        assert (out / stage / "metrics.jsonl").stat().st_size > 0, stage
