@@ -51,7 +51,7 @@ $PY sft.py --model_name_or_path "$OUT/base" --dataset_mixer_list "$OUT/data/sft.
 
 stage "3/5 DPO (dpo.py)"
 $PY dpo.py --model_name_or_path "$OUT/sft" --dataset_mixer_list "$OUT/data/preference.jsonl" 1.0 \
-    --output_dir "$OUT/dpo" --learning_rate 1e-4 --per_device_train_batch_size 16 \
+    --output_dir "$OUT/dpo" --learning_rate 2e-5 --per_device_train_batch_size 16 \
     --gradient_accumulation_steps 1 --max_seq_length 256 --save_steps 0 --seed 0 \
     "${DPO_ARGS[@]}"
 
