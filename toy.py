@@ -17,9 +17,19 @@ message lists; RLVR rows with `ground_truth` and a `verifier` column):
                \\boxed{9}
 
 Difficulty is adjustable (`--max_operand`, `--min_operands`, `--max_operands`): each extra operand
-is one more step a tiny model must get right, so a short SFT leaves room for RL to improve.
-Preference pairs follow Olmo 3's delta learning: the chosen answer is correct, the rejected one is
-what a weaker model writes (one step off by a little, the error carried to the final answer).
+is one more step a tiny model must get right.
+
+Each stage gets what it gets in the real recipe, so each has something to add:
+  - SFT traces are distilled from an imperfect teacher and never verified (as most SFT data is):
+    in an addition that crosses a ten the teacher forgets the carry with probability
+    `--teacher_carry_slip` (default 0.6: `17+5=12`), and the error flows to its final answer.
+    Imitation learns the slip along with everything else.
+  - Preference pairs follow Olmo 3's delta learning: the chosen answer is correct, the rejected one
+    is what a weaker model writes (it forgets every carry; where there is none, one step is off by
+    a little). The contrast carries what the SFT data cannot.
+  - RLVR prompts come with the true answer only: the verifier rewards a carried sum and never the
+    slip, so RL can unlearn what imitation taught (a tiny model's other mistakes are too scattered
+    for a few CPU minutes of RL to fix).
 Same seed, same bytes: the model weights, the tokenizer files and the data files are deterministic.
 """
 
@@ -29,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import re
 
 # Olmo 3's special tokens. `<|endoftext|>` is both bos and eos, as in the released tokenizers.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -62,10 +73,40 @@ def solution_text(steps: list[str], answer: int) -> str:
     return "<think>" + "\n".join(steps) + "</think>\n\\boxed{" + str(answer) + "}"
 
 
-def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str, int]:
-    """A weaker model's answer: one step is off by 1-3 and the error is carried forward (delta learning)."""
+def parse_expression(expr: str) -> tuple[list[int], list[str]]:
     numbers = [int(x) for x in expr.replace("-", " - ").replace("+", " + ").split() if x.isdigit()]
-    ops = [c for c in expr if c in "+-"]
+    return numbers, [c for c in expr if c in "+-"]
+
+
+def forgets_carry(value: int, op: str, operand: int) -> bool:
+    """An addition of non-negative numbers whose ones digits sum past 9: the step that needs a carry."""
+    return op == "+" and value >= 0 and value % 10 + operand % 10 >= 10
+
+
+def teacher_solution(rng: random.Random, expr: str, carry_slip: float) -> tuple[str, int]:
+    """The imperfect teacher's trace: in each addition that needs a carry it forgets the carry with
+    probability `carry_slip` (17+5 -> 12, 7+5 -> 2), and carries its own result forward."""
+    numbers, ops = parse_expression(expr)
+    value, steps = numbers[0], []
+    for op, operand in zip(ops, numbers[1:]):
+        new = value + operand if op == "+" else value - operand
+        if forgets_carry(value, op, operand) and rng.random() < carry_slip:
+            new -= 10
+        steps.append(f"{value}{op}{operand}={new}")
+        value = new
+    return solution_text(steps, value), value
+
+
+def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str, int]:
+    """A weaker model's answer (delta learning): it forgets every carry; in a problem without a
+    carry, one step is off by 1-3 instead. Either way the error is carried forward."""
+    numbers, ops = parse_expression(expr)
+    value, carries = numbers[0], False
+    for op, operand in zip(ops, numbers[1:]):
+        carries |= forgets_carry(value, op, operand)
+        value = value + operand if op == "+" else value - operand
+    if carries:
+        return teacher_solution(rng, expr, carry_slip=1.0)
     bad_step = rng.randrange(len(ops))
     value, new_steps = numbers[0], []
     for i, (op, operand) in enumerate(zip(ops, numbers[1:])):
@@ -77,9 +118,22 @@ def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str
     return solution_text(new_steps, value), value
 
 
+def needs_carry(expr: str) -> bool:
+    """Whether solving `expr` step by step involves an addition that needs a carry."""
+    numbers, ops = parse_expression(expr)
+    value = numbers[0]
+    for op, operand in zip(ops, numbers[1:]):
+        if forgets_carry(value, op, operand):
+            return True
+        value = value + operand if op == "+" else value - operand
+    return False
+
+
 def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000, num_rlvr: int = 4000,
-                  num_eval: int = 200, max_operand: int = 9, min_operands: int = 2, max_operands: int = 4) -> dict:
-    """All splits as lists of rows. Evaluation problems never appear in a training split."""
+                  num_eval: int = 200, max_operand: int = 9, min_operands: int = 2, max_operands: int = 4,
+                  teacher_carry_slip: float = 0.6) -> dict:
+    """All splits as lists of rows. Evaluation problems never appear in a training split. SFT traces
+    come from the imperfect teacher (`teacher_solution`); preference, RLVR and eval answers are true."""
     rng = random.Random(seed)
     total = num_sft + num_preference + num_rlvr + num_eval
     seen, problems = set(), []
@@ -106,7 +160,7 @@ def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000
     for _ in range(num_sft):
         expr, steps, answer = next(it)
         splits["sft"].append({"messages": [{"role": "user", "content": prompt(expr)},
-                                           {"role": "assistant", "content": solution_text(steps, answer)}]})
+                                           {"role": "assistant", "content": teacher_solution(rng, expr, teacher_carry_slip)[0]}]})
     for _ in range(num_preference):
         expr, steps, answer = next(it)
         user = {"role": "user", "content": prompt(expr)}
@@ -244,14 +298,16 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
                                  do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
         responses += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     results = [verifiers.verify(row["verifier"], response, row["ground_truth"]) for row, response in zip(rows, responses)]
-    by_operands = {}
+    by_operands, by_carry = {}, {}
     for row, result in zip(rows, results):
-        operands = sum(row["messages"][-1]["content"].count(op) for op in "+-") + 1
-        by_operands.setdefault(operands, []).append(result.score)
+        expr = re.search(r"\d+(?:[+-]\d+)+", row["messages"][-1]["content"]).group(0)
+        by_operands.setdefault(expr.count("+") + expr.count("-") + 1, []).append(result.score)
+        by_carry.setdefault("needs a carry" if needs_carry(expr) else "no carry", []).append(result.score)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {
         "accuracy": mean([r.score for r in results]),
         "accuracy_by_operands": {k: mean(v) for k, v in sorted(by_operands.items())},
+        "accuracy_by_carry": {k: mean(v) for k, v in sorted(by_carry.items(), reverse=True)},
         "answer_found": mean([r.error is None for r in results]),
         "num_examples": len(results),
         "num_errors": sum(r.error is not None for r in results),
@@ -321,6 +377,8 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
     operands = sorted({k for r in results.values() for k in r["accuracy_by_operands"]})
     rows = [("Accuracy (all, %)", lambda r: 100 * r["accuracy"])]
     rows += [(f"  {k} operands (%)", lambda r, k=k: 100 * r["accuracy_by_operands"].get(k, float("nan"))) for k in operands]
+    rows += [(f"  {k} (%)", lambda r, k=k: 100 * r["accuracy_by_carry"].get(k, float("nan")))
+             for k in ("no carry", "needs a carry")]
     rows += [("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
@@ -362,6 +420,8 @@ def main():
     p_data.add_argument("--max_operand", type=int, default=9, help="operands are drawn from 0..max_operand")
     p_data.add_argument("--min_operands", type=int, default=2)
     p_data.add_argument("--max_operands", type=int, default=4, help="each extra operand is one more reasoning step")
+    p_data.add_argument("--teacher_carry_slip", type=float, default=0.6,
+                        help="probability that the SFT teacher forgets a carry (0: every SFT trace is correct)")
     p_eval = sub.add_parser("eval", help="greedy accuracy of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")
     p_eval.add_argument("model_dir")
     p_eval.add_argument("eval_path")

@@ -501,11 +501,9 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.slow
-def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 1 learner + 1 actor: train a few steps with a checkpoint each step, kill -9 the actor,
-    and the learner exits with a clear error well within --timeout_s; the last checkpoint loads and
-    --resume continues from it."""
+def _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path):
+    """Start `torchrun --nproc-per-node 2 grpo.py` (1 learner + 1 actor, a checkpoint every step) in
+    its own session, logging to tmp_path/log.txt, and return once step 2 is saved: (out, proc, log)."""
     out = str(tmp_path / "run")
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "1000", "--eval_every", "0",
                        "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--save_every", "1",
@@ -513,13 +511,24 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
     log = open(tmp_path / "log.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while not os.path.isdir(os.path.join(out, "checkpoints", "step_2")):
+        if proc.poll() is not None or time.time() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            log.close()
+            raise AssertionError(open(tmp_path / "log.txt").read()[-3000:])
+        time.sleep(0.5)
+    return out, proc, log
+
+
+@pytest.mark.slow
+def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 1 actor: train a few steps with a checkpoint each step, kill -9 the actor,
+    and the learner exits with a clear error well within --timeout_s; the last checkpoint loads and
+    --resume continues from it."""
+    out, proc, log = _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path)
     try:
-        deadline = time.time() + 300
-        ckpt = os.path.join(out, "checkpoints", "step_2")
-        while not os.path.isdir(ckpt):
-            assert proc.poll() is None, open(tmp_path / "log.txt").read()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.5)
         text = open(tmp_path / "log.txt").read()
         actor_pid = int(text.split("[actor rank 1] pid ")[1].split(":")[0])
         engine_pids = _descendants(actor_pid)  # vLLM's engine core and worker
@@ -544,6 +553,36 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
     # stopped the learner (SIGTERM: "interrupted"), with the killed actor rank as the root cause
     assert ("FATAL" in text and "actor" in text) or (
         "interrupted (signal 15)" in text and "Root Cause" in text and "rank      : 1" in text.split("Root Cause")[1]), text[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    last = grpo.latest_checkpoint(os.path.join(out, "checkpoints"))
+    AutoModelForCausalLM.from_pretrained(last)
+    state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
+    assert state["step"] >= 2 and state["sampler_position"] > 0
+
+
+@pytest.mark.slow
+def test_torchrun_ctrl_c_every_process_exits_checkpoint_intact(toy_model_dir, toy_data_dir, tmp_path):
+    """Ctrl-C in the terminal (SIGINT to torchrun's whole process group: the agent, the learner, the
+    actor and vLLM's engine processes) mid-run: every process is gone within a bounded time, the
+    learner says it was interrupted, and the last checkpoint loads and carries its training state."""
+    out, proc, log = _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path)
+    try:
+        everyone = _descendants(proc.pid)  # torchrun's workers and the engine processes under the actor
+        assert len(everyone) >= 3
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        t = time.time()
+        rc = proc.wait(timeout=90)
+        assert rc != 0 and time.time() - t < 60
+        while any(os.path.exists(f"/proc/{p}") for p in everyone):
+            assert time.time() - t < 60, [p for p in everyone if os.path.exists(f"/proc/{p}")]
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    text = open(tmp_path / "log.txt").read()
+    assert "interrupted" in text, text[-3000:]
     from transformers import AutoModelForCausalLM
 
     last = grpo.latest_checkpoint(os.path.join(out, "checkpoints"))

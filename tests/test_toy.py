@@ -59,21 +59,61 @@ def test_every_ground_truth_answers_its_prompt(toy_data_dir):
             assert row["ground_truth"] == str(evaluate_expression(expression_of(row["messages"][0]["content"])))
 
 
-def test_sft_traces_are_correct_and_preferences_contrast(toy_data_dir):
-    step = re.compile(r"^(\d+)([+-])(\d+)=(-?\d+)$")
-    for row in read_jsonl(os.path.join(toy_data_dir, "sft.jsonl")):
-        user, assistant = row["messages"]
-        answer = evaluate_expression(expression_of(user["content"]))
-        think, boxed = re.fullmatch(r"<think>(.*)</think>\n\\boxed\{(-?\d+)\}", assistant["content"], re.S).groups()
-        assert int(boxed) == answer
-        for line in think.split("\n"):
-            a, op, b, c = step.match(line).groups()
-            assert int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
-    for row in read_jsonl(os.path.join(toy_data_dir, "preference.jsonl")):
-        answer = evaluate_expression(expression_of(row["chosen"][0]["content"]))
+STEP = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")
+
+
+def trace_steps(content):
+    """(steps as (a, op, b, c) ints, boxed answer) of a toy answer, checking its format."""
+    think, boxed = re.fullmatch(r"<think>(.*)</think>\n\\boxed\{(-?\d+)\}", content, re.S).groups()
+    steps = [STEP.match(line).groups() for line in think.split("\n")]
+    return [(int(a), op, int(b), int(c)) for a, op, b, c in steps], int(boxed)
+
+
+def test_sft_traces_are_the_imperfect_teachers():
+    # Every step is right except a forgotten carry (c = a + b - 10 where the ones digits pass 9),
+    # each step starts from the previous result, the box holds the last one, and the teacher
+    # forgets about teacher_carry_slip of its carries.
+    for slip in (0.6, 0.0):
+        rows = toy.generate_data(seed=1, num_sft=3000, num_preference=0, num_rlvr=0, num_eval=0,
+                                 teacher_carry_slip=slip)["sft"]
+        carries = slipped = wrong_answers = 0
+        for row in rows:
+            user, assistant = row["messages"]
+            expr = expression_of(user["content"])
+            steps, boxed = trace_steps(assistant["content"])
+            numbers = [int(x) for x in re.findall(r"\d+", expr)]
+            assert steps[0][0] == numbers[0] and [b for _, _, b, _ in steps] == numbers[1:]
+            for k, (a, op, b, c) in enumerate(steps):
+                assert k == 0 or a == steps[k - 1][3]
+                right = a + b if op == "+" else a - b
+                if toy.forgets_carry(a, op, b):
+                    carries += 1
+                    slipped += c == right - 10
+                    assert c in (right, right - 10)
+                else:
+                    assert c == right
+            assert boxed == steps[-1][3]
+            wrong_answers += boxed != evaluate_expression(expr)
+        assert abs(slipped / carries - slip) < 0.04, (slip, slipped / carries)
+        assert (wrong_answers > 0.3 * len(rows)) if slip else wrong_answers == 0
+
+
+def test_preferences_contrast_a_correct_answer_with_a_weaker_models(toy_data_dir):
+    rows = read_jsonl(os.path.join(toy_data_dir, "preference.jsonl"))
+    forgot = 0
+    for row in rows:
+        expr = expression_of(row["chosen"][0]["content"])
+        answer = evaluate_expression(expr)
         assert row["chosen"][0] == row["rejected"][0]
-        assert row["chosen"][1]["content"].endswith("\\boxed{%d}" % answer)
-        assert not row["rejected"][1]["content"].endswith("\\boxed{%d}" % answer)
+        steps, boxed = trace_steps(row["chosen"][1]["content"])
+        assert boxed == answer and all(c == (a + b if op == "+" else a - b) for a, op, b, c in steps)
+        rejected_steps, rejected_boxed = trace_steps(row["rejected"][1]["content"])
+        assert rejected_boxed != answer and rejected_boxed == rejected_steps[-1][3]
+        if toy.needs_carry(expr):  # the weaker model forgets every carry
+            forgot += 1
+            assert all(c == (a + b - 10 if toy.forgets_carry(a, op, b) else a + b if op == "+" else a - b)
+                       for a, op, b, c in rejected_steps)
+    assert 0.3 < forgot / len(rows) < 0.7
 
 
 def test_eval_split_is_held_out(toy_data_dir):
