@@ -588,13 +588,18 @@ def _watch_owner_in_worker(worker, owner_pid: int):
     import threading as _threading
     import time as _time
 
+    engine_core = _os.getppid()
+
     def watch():
         while True:
             _time.sleep(1.0)
             try:
                 _os.kill(owner_pid, 0)
             except ProcessLookupError:
-                _os.kill(_os.getppid(), _signal.SIGKILL)
+                # Only while the engine core is still our parent: once it is gone this process has
+                # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
+                if _os.getppid() == engine_core:
+                    _os.kill(engine_core, _signal.SIGKILL)
                 _os._exit(1)
 
     _threading.Thread(target=watch, daemon=True).start()

@@ -649,8 +649,18 @@ def _namespace_script(workdir: str, uid: int, limits: list[str], argv: list[str]
                   f"mount --rbind {shlex.quote(stage)} {shlex.quote(ancestor)}"]
     lines += [f"mount --bind {shlex.quote(workdir)} /tmp", "mount -t tmpfs -o size=16m,mode=1777 tmpfs /dev/shm", "cd /tmp",
               "exec prlimit " + " ".join(limits) + f" setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs "
-              + " ".join(shlex.quote(a) for a in argv)]
+              + " ".join(shlex.quote(a) for a in _reachable_interpreter(argv))]
     return "\n".join(lines)
+
+
+def _reachable_interpreter(argv: list[str]) -> list[str]:
+    """Inside the namespace /tmp is the run's own directory, so an interpreter that lives under the
+    temp dir (a checkout or virtualenv in /tmp) would vanish: run its real base interpreter instead
+    (the standard library only; the virtualenv's packages are not reachable from there)."""
+    tmp = os.path.realpath(tempfile.gettempdir()) + os.sep
+    if argv and argv[0] == sys.executable and (sys.executable.startswith(tmp) or sys.prefix.startswith(tmp)):
+        return [os.path.realpath(sys.executable), *argv[1:]]
+    return argv
 
 
 def _uid_base() -> int:
@@ -690,6 +700,9 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
                "--mount-proc", "--propagation", "private", "sh", "-c", script]
         return subprocess.Popen(cmd, cwd=workdir, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True)
     env["HOME"] = workdir
+    # Without a pid namespace the program's parent is a shell that waits for it, not this process:
+    # `os.kill(os.getppid(), SIGKILL)` in model output then takes down the shell, never the trainer.
+    argv = ["sh", "-c", '"$@"; exit $?', "sh", *argv]
     if mode == "prlimit":
         cmd = ["prlimit", *limits, f"--nproc={_NPROC * 8}", *argv]
         return subprocess.Popen(cmd, cwd=workdir, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True)

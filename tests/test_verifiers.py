@@ -349,6 +349,8 @@ HOSTILE = {
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_code_hostile_program_scores_zero_and_caller_survives(name):
     program, max_score, seconds = HOSTILE[name]
+    if name == "kill_all" and V._sandbox_mode() != "namespace":
+        pytest.skip("kill(-1) as the caller's own user can only be contained by the namespace sandbox (another uid)")
     t0 = time.time()
     r = verify("code", py(program), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
     assert in_bounds(r) and r.score <= max_score and r.error is None, r
