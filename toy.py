@@ -97,27 +97,6 @@ def teacher_solution(rng: random.Random, expr: str, carry_slip: float) -> tuple[
     return solution_text(steps, value), value
 
 
-def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str, int]:
-    """A weaker model's answer (delta learning): it forgets every carry; in a problem without a
-    carry, one step is off by 1-3 instead. Either way the error is carried forward."""
-    numbers, ops = parse_expression(expr)
-    value, carries = numbers[0], False
-    for op, operand in zip(ops, numbers[1:]):
-        carries |= forgets_carry(value, op, operand)
-        value = value + operand if op == "+" else value - operand
-    if carries:
-        return teacher_solution(rng, expr, carry_slip=1.0)
-    bad_step = rng.randrange(len(ops))
-    value, new_steps = numbers[0], []
-    for i, (op, operand) in enumerate(zip(ops, numbers[1:])):
-        new = value + operand if op == "+" else value - operand
-        if i == bad_step:
-            new += rng.choice([-3, -2, -1, 1, 2, 3])
-        new_steps.append(f"{value}{op}{operand}={new}")
-        value = new
-    return solution_text(new_steps, value), value
-
-
 def needs_carry(expr: str) -> bool:
     """Whether solving `expr` step by step involves an addition that needs a carry."""
     numbers, ops = parse_expression(expr)
@@ -127,6 +106,23 @@ def needs_carry(expr: str) -> bool:
             return True
         value = value + operand if op == "+" else value - operand
     return False
+
+
+def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str, int]:
+    """A weaker model's answer (delta learning): it forgets every carry; in a problem without a
+    carry, one step is off by 1-3 instead. Either way the error is carried forward."""
+    if needs_carry(expr):
+        return teacher_solution(rng, expr, carry_slip=1.0)
+    numbers, ops = parse_expression(expr)
+    bad_step = rng.randrange(len(ops))
+    value, new_steps = numbers[0], []
+    for i, (op, operand) in enumerate(zip(ops, numbers[1:])):
+        new = value + operand if op == "+" else value - operand
+        if i == bad_step:
+            new += rng.choice([-3, -2, -1, 1, 2, 3])
+        new_steps.append(f"{value}{op}{operand}={new}")
+        value = new
+    return solution_text(new_steps, value), value
 
 
 def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000, num_rlvr: int = 4000,
