@@ -717,6 +717,27 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
                             start_new_session=True, preexec_fn=limit)
 
 
+def _kill_sandbox(proc: subprocess.Popen) -> None:
+    """Kill a sandboxed run and reap all of it. In namespace mode the program is the pid
+    namespace's init, a child of unshare: kill it first, so that the kernel kills and reaps the
+    rest of the namespace and unshare reaps the init. Killing unshare at the same moment would
+    orphan the init to this machine's pid 1, which may reap zombies only every few seconds (and a
+    zombie still counts against the sandbox uid's RLIMIT_NPROC)."""
+    if proc.poll() is None and _SANDBOX.get("mode") == "namespace":
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                for child in f.read().split():
+                    os.kill(int(child), signal.SIGKILL)
+            proc.wait(timeout=5)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session: unshare, or the program and its children
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def _wait_uid_gone(uid: int, timeout: float = 3.0) -> None:
     """After a kill, the namespace's processes die asynchronously: wait until the sandbox uid owns
     none, so that nothing outlives the call and the uid's next run starts with RLIMIT_NPROC free."""
@@ -789,11 +810,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             except subprocess.TimeoutExpired:
                 status = "timeout"
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the session: unshare, or the program and its children
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
+                _kill_sandbox(proc)
                 if status != "ok" and _SANDBOX.get("mode") == "namespace":
                     _wait_uid_gone(uid)
             seconds = time.monotonic() - t0

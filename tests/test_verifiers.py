@@ -360,6 +360,16 @@ def test_code_hostile_program_scores_zero_and_caller_survives(name):
         assert _sandbox_uid_processes() == []  # nothing outlives the call
 
 
+def test_code_timeout_is_reaped_promptly():
+    # The namespace's init (the program) must be reaped by unshare, not orphaned to the machine's
+    # pid 1, which here reaps zombies only every ~2 s: the call then took 3.3-4 s for a 2 s timeout.
+    if V._sandbox_mode() != "namespace":
+        pytest.skip("namespace sandbox unavailable here")
+    r = verify("code", py(HOSTILE["sleep_forever"][0]), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
+    assert r.details["status"] == "timeout" and r.details["seconds"] < 3.0, r.details
+    assert _sandbox_uid_processes() == []
+
+
 def test_code_sys_exit_does_not_skip_asserts():
     # The harness runs the asserts even after sys.exit(); they pass only if the function is right.
     r = verify("code", py(GOOD_F + "import sys\nsys.exit(0)"), DOUBLE_TESTS, code_timeout=3)
