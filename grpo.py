@@ -113,7 +113,7 @@ class Args:
     num_unique_prompts_per_step: int = field(default=64, metadata={"help": "Groups with non-zero reward std per step, exactly (active sampling)."})
     num_samples_per_prompt: int = field(default=8, metadata={"help": "Group size: completions per prompt (Olmo 3: 8)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (Olmo 3: 1.0)."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW lr (Olmo 3 7B: 1e-6; the toy: 3e-5, 2e-4 already degrades it)."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4 with --lr_schedule linear; 3e-4 degrades it)."})
     lr_schedule: str = field(default="constant", metadata={"help": "'constant' or 'linear' decay to 0."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping."})
@@ -1328,6 +1328,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         if is_main:
             t = time.perf_counter()
             counts, lags = Counter(), []
+            scored = []  # every reward scored this step: kept, filtered and surplus groups
 
             useful = [0]  # groups with gradient seen this step: the dispatcher releases what is still missing
 
@@ -1342,7 +1343,9 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 gs, c, lg = offpolicy_filter(gs, version, args.async_steps)
                 counts.update(c)
                 lags.extend(lg)
-                score([g for g in gs if "rewards" not in g], counts)
+                fresh_groups = [g for g in gs if "rewards" not in g]
+                score(fresh_groups, counts)
+                scored.extend(r for g in fresh_groups for r in g["rewards"])
                 useful[0] += sum(filter_reason(g["rewards"]) is None for g in gs)
                 if fresh:
                     dispatcher.consumed(n_pulled, max(0, args.num_unique_prompts_per_step - useful[0]))
@@ -1361,6 +1364,10 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
             plan = [(split_bins(pack_rows(mb, pack_length), num_learners), sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
             metrics.update(rollout_metrics(batch, counts, lags, pending_stats, args))
+            # The kept groups' reward is pulled toward 0.5 by active sampling's filter; this is the
+            # policy's own solve rate on the prompts it was given, the learning curve to watch.
+            metrics["rollout/reward_all_scored"] = float(np.mean(scored)) if scored else 0.0
+            metrics["rollout/samples_scored"] = len(scored)
             pending_stats.clear()
         else:
             plan = None

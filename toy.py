@@ -266,8 +266,11 @@ def write_model(out_dir: str, seed: int = 0, **model_kwargs) -> str:
 # Evaluation: greedy answers to the held-out split, scored by verifiers.py
 # ---------------------------------------------------------------------------------------------
 def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: int | None = None,
-             batch_size: int = 64) -> dict:
-    """Greedy-decode each eval prompt with transformers and score it with its row's verifier.
+             batch_size: int = 64, num_samples: int = 4, temperature: float = 1.0, seed: int = 0) -> dict:
+    """Greedy-decode each eval prompt with transformers and score it with its row's verifier; then,
+    if num_samples > 0, sample num_samples completions per prompt at `temperature` and report their
+    mean score (pass@1 as reasoning models are evaluated, and the quantity RL optimizes: grpo.py's
+    eval/pass@1 uses the same estimator at its training temperature).
 
     Plain `generate` rather than vLLM: for a model this small it is faster than starting an engine,
     and it keeps evaluation independent of the RL actor code it is used to check.
@@ -283,17 +286,31 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = tokenizer.pad_token_id
-    responses = []
-    for start in range(0, len(rows), batch_size):
-        prompts = [tokenize_prompt(tokenizer, row["messages"]) for row in rows[start:start + batch_size]]
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
-        attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-        responses += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+
+    def generate(rows: list[dict], **sampling) -> list[str]:
+        responses = []
+        for start in range(0, len(rows), batch_size):
+            prompts = [tokenize_prompt(tokenizer, row["messages"]) for row in rows[start:start + batch_size]]
+            width = max(map(len, prompts))
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
+            attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+            with torch.no_grad():
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                     pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
+            responses += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        return responses
+
+    responses = generate(rows, do_sample=False)
     results = [verifiers.verify(row["verifier"], response, row["ground_truth"]) for row, response in zip(rows, responses)]
+    sampled = {}
+    if num_samples > 0:
+        torch.manual_seed(seed)
+        repeated = [row for row in rows for _ in range(num_samples)]
+        # top_k=0 / top_p=1: the full distribution at `temperature`, as vLLM samples it in grpo.py
+        texts = generate(repeated, do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        scores = [verifiers.verify(row["verifier"], text, row["ground_truth"]).score for row, text in zip(repeated, texts)]
+        sampled = {"sampled_pass@1": sum(scores) / max(len(scores), 1), "sampled_num_samples": num_samples,
+                   "sampled_temperature": temperature}
     by_operands, by_carry = {}, {}
     for row, result in zip(rows, results):
         expr = re.search(r"\d+(?:[+-]\d+)+", row["messages"][-1]["content"]).group(0)
@@ -308,6 +325,7 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
         "num_examples": len(results),
         "num_errors": sum(r.error is not None for r in results),
         "mean_response_chars": mean([len(r) for r in responses]),
+        **sampled,
         "examples": [{"prompt": row["messages"][-1]["content"], "response": response, "ground_truth": row["ground_truth"],
                       "score": r.score} for row, response, r in list(zip(rows, responses, results))[:5]],
     }
@@ -320,7 +338,7 @@ CURVES = [  # (stage, metric in its metrics.jsonl, panel title)
     ("sft", "train/loss", "SFT loss"),
     ("dpo", "train/loss", "DPO loss"),
     ("dpo", "eval/accuracy", "DPO held-out preference accuracy"),
-    ("rl", "rollout/reward", "RL mean reward"),
+    ("rl", "rollout/reward_all_scored", "RL solve rate (all sampled prompts)"),
     ("rl", "eval/pass@1", "RL eval pass@1"),
     ("rl", "rollout/response_length", "RL response length"),
 ]
@@ -366,15 +384,19 @@ def plot_curves(stage_dirs: dict[str, str], out_path: str) -> str | None:
     return out_path
 
 
-def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tokens: int = 64) -> dict:
+def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tokens: int = 64,
+           num_samples: int = 4, temperature: float = 1.0) -> dict:
     """Evaluate every stage's checkpoint on the held-out split, print the table, write JSON, Markdown, PNG."""
     os.makedirs(out_dir, exist_ok=True)
-    results = {stage: evaluate(path, eval_path, max_new_tokens=max_new_tokens) for stage, path in stage_dirs.items()}
+    results = {stage: evaluate(path, eval_path, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                               temperature=temperature) for stage, path in stage_dirs.items()}
     operands = sorted({k for r in results.values() for k in r["accuracy_by_operands"]})
-    rows = [("Accuracy (all, %)", lambda r: 100 * r["accuracy"])]
+    rows = [("Accuracy, greedy (all, %)", lambda r: 100 * r["accuracy"])]
     rows += [(f"  {k} operands (%)", lambda r, k=k: 100 * r["accuracy_by_operands"].get(k, float("nan"))) for k in operands]
     rows += [(f"  {k} (%)", lambda r, k=k: 100 * r["accuracy_by_carry"].get(k, float("nan")))
              for k in ("no carry", "needs a carry")]
+    if num_samples > 0:
+        rows += [(f"pass@1, sampled (T={temperature:g}, k={num_samples}, %)", lambda r: 100 * r["sampled_pass@1"])]
     rows += [("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
@@ -418,7 +440,7 @@ def main():
     p_data.add_argument("--max_operands", type=int, default=4, help="each extra operand is one more reasoning step")
     p_data.add_argument("--teacher_carry_slip", type=float, default=0.6,
                         help="probability that the SFT teacher forgets a carry (0: every SFT trace is correct)")
-    p_eval = sub.add_parser("eval", help="greedy accuracy of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")
+    p_eval = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")
     p_eval.add_argument("model_dir")
     p_eval.add_argument("eval_path")
     p_eval.add_argument("--max_new_tokens", type=int, default=64)
@@ -429,6 +451,10 @@ def main():
     p_report.add_argument("--eval_path", required=True)
     p_report.add_argument("--out_dir", required=True)
     p_report.add_argument("--max_new_tokens", type=int, default=64)
+    for p in (p_eval, p_report):
+        p.add_argument("--num_samples", type=int, default=4,
+                       help="k sampled completions per prompt for sampled pass@1 (0: greedy accuracy only)")
+        p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (grpo.py trains and evaluates at 1.0)")
     args = vars(parser.parse_args())
     command = args.pop("command")
     if command == "report":

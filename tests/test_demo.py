@@ -18,7 +18,7 @@ def test_short_demo_runs_every_stage_and_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in ("1/5 toy", "2/5 SFT", "3/5 DPO", "4/5 RL", "5/5 evaluation"):
         assert stage in proc.stdout, stage
-    assert "Accuracy (all, %)" in proc.stdout
+    assert "Accuracy, greedy (all, %)" in proc.stdout and "pass@1, sampled" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     assert list(results) == ["base", "SFT", "DPO", "RL"]
     for result in results.values():

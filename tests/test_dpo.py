@@ -292,8 +292,8 @@ def test_dpo_raises_heldout_preference_accuracy_and_keeps_task_accuracy(first_dp
                 "train/accuracy", "perf/tokens_per_s", "perf/mfu", "train/lr", "train/grad_norm"):
         assert math.isfinite(end[key]), key
     eval_path = os.path.join(toy_data_dir, "eval.jsonl")
-    sft_acc = toy.evaluate(toy_sft_model_dir, eval_path, max_new_tokens=64)["accuracy"]
-    dpo_acc = toy.evaluate(first_dpo_run["out"], eval_path, max_new_tokens=64)["accuracy"]
+    sft_acc = toy.evaluate(toy_sft_model_dir, eval_path, max_new_tokens=64, num_samples=0)["accuracy"]
+    dpo_acc = toy.evaluate(first_dpo_run["out"], eval_path, max_new_tokens=64, num_samples=0)["accuracy"]
     print(f"toy task accuracy: sft {sft_acc:.3f} -> dpo {dpo_acc:.3f}")
     # measured: held-out reward accuracy 0 -> 0.875, policy accuracy 0.34 -> 0.655, toy accuracy 52% -> 59%
     assert dpo_acc >= sft_acc

@@ -294,8 +294,8 @@ def test_sft_makes_the_toy_model_answer_better(toy_model_dir, toy_data_dir, toy_
     assert len(losses) >= 20, f"the fixture ran only {len(losses)} steps"
     assert sum(losses[-10:]) / 10 < 0.25 * losses[0], losses
     eval_path = os.path.join(toy_data_dir, "eval.jsonl")
-    before = toy.evaluate(toy_model_dir, eval_path)
-    after = toy.evaluate(toy_sft_model_dir, eval_path)
+    before = toy.evaluate(toy_model_dir, eval_path, num_samples=0)
+    after = toy.evaluate(toy_sft_model_dir, eval_path, num_samples=0)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
     # The random model scores ~2% by luck (the math verifier takes the last number in its noise), so
     # "better" needs a margin: 10 more of the 200 problems right.

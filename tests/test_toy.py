@@ -188,6 +188,16 @@ def test_evaluate_scores_a_random_model_near_zero(toy_model_dir, toy_data_dir):
     assert result["accuracy"] <= 0.2
 
 
+def test_evaluate_sampled_pass_at_1_matches_greedy_at_near_zero_temperature(toy_sft_model_dir, toy_data_dir):
+    # Near-zero temperature samples the argmax: the k samples of each prompt must score exactly as its
+    # greedy answer does, which fails if repeated prompts and their scores were misaligned.
+    eval_path = os.path.join(toy_data_dir, "eval.jsonl")
+    cold = toy.evaluate(toy_sft_model_dir, eval_path, limit=48, num_samples=3, temperature=1e-4)
+    assert 0.2 < cold["accuracy"] < 1.0 and cold["sampled_pass@1"] == pytest.approx(cold["accuracy"])
+    warm = toy.evaluate(toy_sft_model_dir, eval_path, limit=48, num_samples=3, temperature=1.0)
+    assert warm["sampled_num_samples"] == 3 and 0.0 < warm["sampled_pass@1"] < 1.0
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM serves the toy model
 # ---------------------------------------------------------------------------------------------
