@@ -1363,11 +1363,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             rows = [r for r in rows if r["response_ids"]]
             minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
             plan = [(split_bins(pack_rows(mb, pack_length), num_learners), sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
-            metrics.update(rollout_metrics(batch, counts, lags, pending_stats, args))
-            # The kept groups' reward is pulled toward 0.5 by active sampling's filter; this is the
-            # policy's own solve rate on the prompts it was given, the learning curve to watch.
-            metrics["rollout/reward_all_scored"] = float(np.mean(scored)) if scored else 0.0
-            metrics["rollout/samples_scored"] = len(scored)
+            metrics.update(rollout_metrics(batch, counts, lags, scored, pending_stats, args))
             pending_stats.clear()
         else:
             plan = None
@@ -1464,12 +1460,17 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     return 0
 
 
-def rollout_metrics(batch, counts, lags, stats_list, args) -> dict:
+def rollout_metrics(batch, counts, lags, scored, stats_list, args) -> dict:
     """The rollout/ and perf/ part of a step's metrics, from the kept groups, the filter counts, the
-    per-token lags and the actors' stats deltas. Keys starting with `_` are totals for the summary."""
+    per-token lags, every reward scored this step and the actors' stats deltas. Keys starting with
+    `_` are totals for the summary."""
     rewards = [r for g in batch for r in g["rewards"]]
     lens = [len(s["response_ids"]) for g in batch for s in g["samples"]]
     m = {"rollout/reward": float(np.mean(rewards)) if rewards else 0.0,
+         # The kept groups' reward is pulled toward 0.5 by active sampling's filter; this is the
+         # policy's own solve rate on the prompts it was given, the learning curve to watch.
+         "rollout/reward_all_scored": float(np.mean(scored)) if scored else 0.0,
+         "rollout/samples_scored": len(scored),
          "rollout/solve_rate": float(np.mean([r >= 1.0 for r in rewards])) if rewards else 0.0,
          "rollout/response_length": float(np.mean(lens)) if lens else 0.0,
          "rollout/response_length_max": max(lens) if lens else 0,
