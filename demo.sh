@@ -7,7 +7,8 @@
 # Each stage starts from the previous stage's output, exactly as in the report (sec 4: the final RL
 # run starts from the DPO checkpoint):
 #   1. toy.py writes a tiny random Olmo3ForCausalLM, its tokenizer, and synthetic arithmetic tasks
-#      whose SFT traces come from an imperfect teacher (it forgets 60% of its carries, see toy.py)
+#      whose SFT traces come from an imperfect teacher with two slips (see toy.py): it forgets 60%
+#      of its carries, and in 60% of its multi-step traces it boxes the step before the last
 #   2. sft.py  trains on `messages` (assistant tokens only)                      -> $DEMO_DIR/sft
 #   3. dpo.py  tunes on delta-learning pairs (correct chosen, weaker rejected)   -> $DEMO_DIR/dpo
 #   4. grpo.py runs OlmoRL through torchrun: one learner rank and one vLLM actor rank, continuous
@@ -16,9 +17,9 @@
 #      prints a table in the style of the report's Table 26, plus the loss and reward curves.
 #
 # DEMO_SHORT=1 shrinks every stage to a smoke run (the test suite uses it); the numbers are then
-# meaningless. Budget on two idle CPU cores: about 14 minutes for the full demo (SFT ~6, DPO ~1.5,
-# RL ~5.5). The table's carry rows show what each stage fixed; its sampled pass@1 row is the
-# quantity RL optimizes (grpo.py's eval/pass@1 at the training temperature).
+# meaningless. Budget on two idle CPU cores: about 13 minutes for the full demo (SFT ~6, DPO ~1.5,
+# RL ~4.5). The table's carry and box rows show what each stage fixed (DPO the carry, RL mostly the
+# box); its sampled pass@1 row is the quantity RL optimizes (grpo.py's eval/pass@1 at T=1).
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -20,15 +20,20 @@ Difficulty is adjustable (`--max_operand`, `--min_operands`, `--max_operands`): 
 is one more step a tiny model must get right.
 
 Each stage gets what it gets in the real recipe, so each has something to add:
-  - SFT traces are distilled from an imperfect teacher and never verified (as most SFT data is):
-    in an addition that crosses a ten the teacher forgets the carry with probability
-    `--teacher_carry_slip` (default 0.6: `17+5=12`), and the error flows to its final answer.
-    Imitation learns the slip along with everything else.
+  - SFT traces are distilled from an imperfect teacher and never verified (as most SFT data is).
+    It makes two consistent slips, and imitation learns both along with everything else:
+      - in an addition that crosses a ten it forgets the carry with probability
+        `--teacher_carry_slip` (default 0.6: `17+5=12`), and carries the error forward;
+      - in a trace of two or more steps it boxes the result of the step before the last with
+        probability `--teacher_box_slip` (default 0.6: `<think>3+5=8\\n8+1=9</think>\\n\\boxed{8}`).
+    Both exceed one half, so greedy decoding after SFT makes both slips.
   - Preference pairs follow Olmo 3's delta learning: the chosen answer is correct, the rejected one
     is what a weaker model writes (it forgets every carry; where there is none, one step is off by
-    a little). The contrast carries what the SFT data cannot.
-  - RLVR prompts come with the true answer only: the verifier rewards a carried sum and never the
-    slip, so RL can unlearn what imitation taught (a tiny model's other mistakes are too scattered
+    a little). The contrast teaches the carry. Both sides box their own last step, so the box slip
+    is not in the contrast and DPO has little reason to fix it.
+  - RLVR prompts come with the true answer only: the verifier rewards the final answer, so RL
+    unlearns both slips, fastest the box slip: one token per answer that decides the reward of a
+    multi-step problem on its own (a tiny model's scattered arithmetic mistakes are too diffuse
     for a few CPU minutes of RL to fix).
 Same seed, same bytes: the model weights, the tokenizer files and the data files are deterministic.
 """
@@ -83,17 +88,23 @@ def forgets_carry(value: int, op: str, operand: int) -> bool:
     return op == "+" and value >= 0 and value % 10 + operand % 10 >= 10
 
 
-def teacher_solution(rng: random.Random, expr: str, carry_slip: float) -> tuple[str, int]:
+def teacher_solution(rng: random.Random, expr: str, carry_slip: float, box_slip: float = 0.0) -> tuple[str, int]:
     """The imperfect teacher's trace: in each addition that needs a carry it forgets the carry with
-    probability `carry_slip` (17+5 -> 12, 7+5 -> 2), and carries its own result forward."""
+    probability `carry_slip` (17+5 -> 12, 7+5 -> 2), and carries its own result forward. In a trace
+    of two or more steps it boxes the result of the step before the last with probability `box_slip`
+    (it copies from the wrong line)."""
     numbers, ops = parse_expression(expr)
-    value, steps = numbers[0], []
+    value, steps, results = numbers[0], [], []
     for op, operand in zip(ops, numbers[1:]):
         new = value + operand if op == "+" else value - operand
         if forgets_carry(value, op, operand) and rng.random() < carry_slip:
             new -= 10
         steps.append(f"{value}{op}{operand}={new}")
+        results.append(new)
         value = new
+    # No draw when box_slip is 0 or there is one step: the data stays byte-identical to before.
+    if box_slip > 0 and len(results) > 1 and rng.random() < box_slip:
+        value = results[-2]
     return solution_text(steps, value), value
 
 
@@ -127,9 +138,10 @@ def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str
 
 def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000, num_rlvr: int = 4000,
                   num_eval: int = 200, max_operand: int = 9, min_operands: int = 2, max_operands: int = 4,
-                  teacher_carry_slip: float = 0.6) -> dict:
+                  teacher_carry_slip: float = 0.6, teacher_box_slip: float = 0.6) -> dict:
     """All splits as lists of rows. Evaluation problems never appear in a training split. SFT traces
-    come from the imperfect teacher (`teacher_solution`); preference, RLVR and eval answers are true."""
+    come from the imperfect teacher (`teacher_solution`, both slips); preference, RLVR and eval answers
+    are true."""
     rng = random.Random(seed)
     total = num_sft + num_preference + num_rlvr + num_eval
     seen, problems = set(), []
@@ -156,7 +168,7 @@ def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000
     for _ in range(num_sft):
         expr, steps, answer = next(it)
         splits["sft"].append({"messages": [{"role": "user", "content": prompt(expr)},
-                                           {"role": "assistant", "content": teacher_solution(rng, expr, teacher_carry_slip)[0]}]})
+                                           {"role": "assistant", "content": teacher_solution(rng, expr, teacher_carry_slip, teacher_box_slip)[0]}]})
     for _ in range(num_preference):
         expr, steps, answer = next(it)
         user = {"role": "user", "content": prompt(expr)}
@@ -265,6 +277,16 @@ def write_model(out_dir: str, seed: int = 0, **model_kwargs) -> str:
 # ---------------------------------------------------------------------------------------------
 # Evaluation: greedy answers to the held-out split, scored by verifiers.py
 # ---------------------------------------------------------------------------------------------
+def box_matches_last_step(response: str) -> bool | None:
+    """Whether a response boxes the result of its own last step (None: fewer than two steps or no box,
+    where copying from the wrong line cannot be told apart). It measures the teacher's box slip."""
+    results = re.findall(r"=(-?\d+)", response)
+    boxed = re.search(r"\\boxed\{(-?\d+)\}", response)
+    if len(results) < 2 or not boxed or results[-1] == results[-2]:
+        return None
+    return boxed.group(1) == results[-1]
+
+
 def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: int | None = None,
              batch_size: int = 64, num_samples: int = 4, temperature: float = 1.0, seed: int = 0) -> dict:
     """Greedy-decode each eval prompt with transformers and score it with its row's verifier; then,
@@ -317,11 +339,13 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
         by_operands.setdefault(expr.count("+") + expr.count("-") + 1, []).append(result.score)
         by_carry.setdefault("needs a carry" if needs_carry(expr) else "no carry", []).append(result.score)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    box_checks = [check for check in map(box_matches_last_step, responses) if check is not None]
     return {
         "accuracy": mean([r.score for r in results]),
         "accuracy_by_operands": {k: mean(v) for k, v in sorted(by_operands.items())},
         "accuracy_by_carry": {k: mean(v) for k, v in sorted(by_carry.items(), reverse=True)},
         "answer_found": mean([r.error is None for r in results]),
+        "boxes_last_step": mean(box_checks) if box_checks else float("nan"),
         "num_examples": len(results),
         "num_errors": sum(r.error is not None for r in results),
         "mean_response_chars": mean([len(r) for r in responses]),
@@ -397,7 +421,8 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
              for k in ("no carry", "needs a carry")]
     if num_samples > 0:
         rows += [(f"pass@1, sampled (T={temperature:g}, k={num_samples}, %)", lambda r: 100 * r["sampled_pass@1"])]
-    rows += [("Answer found (%)", lambda r: 100 * r["answer_found"]),
+    rows += [("Boxes its last step (%)", lambda r: 100 * r["boxes_last_step"]),
+             ("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
     table = [header] + [[name] + [f"{fn(r):.1f}" for r in results.values()] for name, fn in rows]
@@ -440,6 +465,9 @@ def main():
     p_data.add_argument("--max_operands", type=int, default=4, help="each extra operand is one more reasoning step")
     p_data.add_argument("--teacher_carry_slip", type=float, default=0.6,
                         help="probability that the SFT teacher forgets a carry (0: every SFT trace is correct)")
+    p_data.add_argument("--teacher_box_slip", type=float, default=0.6,
+                        help="probability that the SFT teacher boxes the result of the step before the last "
+                             "(traces of two or more steps)")
     p_eval = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")
     p_eval.add_argument("model_dir")
     p_eval.add_argument("eval_path")

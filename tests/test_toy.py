@@ -75,7 +75,7 @@ def test_sft_traces_are_the_imperfect_teachers():
     # forgets about teacher_carry_slip of its carries.
     for slip in (0.6, 0.0):
         rows = toy.generate_data(seed=1, num_sft=3000, num_preference=0, num_rlvr=0, num_eval=0,
-                                 teacher_carry_slip=slip)["sft"]
+                                 teacher_carry_slip=slip, teacher_box_slip=0.0)["sft"]
         carries = slipped = wrong_answers = 0
         for row in rows:
             user, assistant = row["messages"]
@@ -96,6 +96,28 @@ def test_sft_traces_are_the_imperfect_teachers():
             wrong_answers += boxed != evaluate_expression(expr)
         assert abs(slipped / carries - slip) < 0.04, (slip, slipped / carries)
         assert (wrong_answers > 0.3 * len(rows)) if slip else wrong_answers == 0
+
+
+def test_teacher_boxes_the_step_before_the_last_at_the_given_rate():
+    # With teacher_box_slip s the teacher's trace is unchanged, but in traces of two or more steps it
+    # boxes the second-to-last result for a fraction s of them; one-step traces are never affected.
+    for carry_slip in (0.0, 0.6):
+        rows = toy.generate_data(seed=2, num_sft=3000, num_preference=0, num_rlvr=0, num_eval=0,
+                                 teacher_carry_slip=carry_slip, teacher_box_slip=0.6)["sft"]
+        multi = slipped = 0
+        for row in rows:
+            user, assistant = row["messages"]
+            steps, boxed = trace_steps(assistant["content"])
+            if carry_slip == 0:
+                assert steps[-1][3] == evaluate_expression(expression_of(user["content"]))
+            if len(steps) == 1:
+                assert boxed == steps[-1][3]
+                continue
+            assert boxed in (steps[-1][3], steps[-2][3])
+            if steps[-1][3] != steps[-2][3]:  # a last step of +0 / -0 hides the slip
+                multi += 1
+                slipped += boxed != steps[-1][3]
+        assert abs(slipped / multi - 0.6) < 0.04, slipped / multi
 
 
 def test_preferences_contrast_a_correct_answer_with_a_weaker_models(toy_data_dir):
