@@ -1620,8 +1620,9 @@ def load_optimizer(model, optimizer, state, num_learners):
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Every learner read the full state from disk, so each only keeps its own shard. No broadcast:
+    # broadcast_from_rank0 broadcasts on the default group, which holds the actor ranks too, and hung.
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
 
 
 def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position, is_main, num_learners, groups):
