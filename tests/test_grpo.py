@@ -1,7 +1,7 @@
 """grpo.py: unit tests of the pure pieces (loss, advantages, active sampling, off-policy bound, packing,
 utilization math) against hand-computed values, then end-to-end runs on the toy model (marked slow):
 an inflight weight update seen token by token, a colocated run within the off-policy bound, torchrun
-learner + actor, a killed actor, resume."""
+learner + actor, a killed actor, resume, two FSDP2 learners that resume."""
 
 import json
 import math
