@@ -1328,7 +1328,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         if is_main:
             t = time.perf_counter()
             counts, lags = Counter(), []
-            scored = []  # every reward scored this step: kept, filtered and surplus groups
+            pulled = []  # every group active sampling saw this step (after the off-policy filter)
 
             useful = [0]  # groups with gradient seen this step: the dispatcher releases what is still missing
 
@@ -1345,7 +1345,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 lags.extend(lg)
                 fresh_groups = [g for g in gs if "rewards" not in g]
                 score(fresh_groups, counts)
-                scored.extend(r for g in fresh_groups for r in g["rewards"])
+                pulled.extend(gs)
                 useful[0] += sum(filter_reason(g["rewards"]) is None for g in gs)
                 if fresh:
                     dispatcher.consumed(n_pulled, max(0, args.num_unique_prompts_per_step - useful[0]))
@@ -1355,6 +1355,10 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                                                 args.max_prompts_per_step_factor * args.num_unique_prompts_per_step)
             leftover.extend(extra)
             counts.update(sel)
+            # The rewards of every prompt this step consumed, kept or filtered (surplus groups count
+            # in the step that consumes them; a step fed from last step's surplus alone is not empty).
+            surplus = {id(g) for g in extra}
+            scored = [r for g in pulled if id(g) not in surplus for r in g["rewards"]]
             metrics["time/data_wait"] = time.perf_counter() - t
             rewards = [g["rewards"] for g in batch]
             advantages = compute_advantages(rewards, args.advantage_normalization)
@@ -1462,13 +1466,13 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
 
 def rollout_metrics(batch, counts, lags, scored, stats_list, args) -> dict:
     """The rollout/ and perf/ part of a step's metrics, from the kept groups, the filter counts, the
-    per-token lags, every reward scored this step and the actors' stats deltas. Keys starting with
+    per-token lags, the rewards of every prompt consumed this step and the actors' stats deltas. Keys starting with
     `_` are totals for the summary."""
     rewards = [r for g in batch for r in g["rewards"]]
     lens = [len(s["response_ids"]) for g in batch for s in g["samples"]]
     m = {"rollout/reward": float(np.mean(rewards)) if rewards else 0.0,
          # The kept groups' reward is pulled toward 0.5 by active sampling's filter; this is the
-         # policy's own solve rate on the prompts it was given, the learning curve to watch.
+         # policy's own solve rate on every prompt the step consumed, the learning curve to watch.
          "rollout/reward_all_scored": float(np.mean(scored)) if scored else 0.0,
          "rollout/samples_scored": len(scored),
          "rollout/solve_rate": float(np.mean([r >= 1.0 for r in rewards])) if rewards else 0.0,

@@ -203,7 +203,9 @@ def tokenizer_corpus(seed: int) -> list[str]:
     """Text the byte-level BPE learns its merges from: task data plus chat and tool-use markup."""
     from chat_template import DEV_SYSTEM, FUNCTIONS_PREAMBLE, NO_FUNCTIONS, OLMO_IDENTITY
 
-    splits = generate_data(seed=seed, num_sft=2000, num_preference=0, num_rlvr=0, num_eval=0)
+    # Slip rates fixed here, not the data defaults: changing a default must not change the tokenizer.
+    splits = generate_data(seed=seed, num_sft=2000, num_preference=0, num_rlvr=0, num_eval=0,
+                           teacher_carry_slip=0.6, teacher_box_slip=0.0)
     texts = [m["content"] for row in splits["sft"] for m in row["messages"]]
     texts += ["system", "user", "assistant", "environment", "You are a helpful AI assistant.",
               "The answer is", "Final Answer: The final answer is", "function", "arguments", "name"] * 50

@@ -466,10 +466,14 @@ def test_colocated_trains_within_offpolicy_bound(toy_sft_model_dir, toy_data_dir
     assert len(train) == steps
     assert all(r["rollout/groups"] == 4 for r in train)
     assert sum(r["rollout/reward"] for r in train) > 0  # the SFT start solves some problems
-    # The all-scored solve rate counts filtered groups too: every all-solved group adds its 8 wins.
-    assert all(r["rollout/samples_scored"] >= r["rollout/samples"] and 0.0 <= r["rollout/reward_all_scored"] <= 1.0 for r in train)
-    wins = sum(r["rollout/reward_all_scored"] * r["rollout/samples_scored"] for r in train)
-    assert wins >= sum(8 * r["rollout/filtered_all_solved"] + r["rollout/reward"] * r["rollout/samples"] for r in train) - 1e-6
+    # The all-scored solve rate is over every prompt the step consumed, kept or filtered: 8 samples
+    # each, and each step's wins are the kept groups' plus 8 per all-solved group (a sample dropped
+    # for a verifier infrastructure error, counted in verifier_errors, is the only slack).
+    for r in train:
+        slack = r["rollout/verifier_errors"]
+        assert 8 * r["rollout/prompts_consumed"] - slack <= r["rollout/samples_scored"] <= 8 * r["rollout/prompts_consumed"], r
+        wins = r["rollout/reward_all_scored"] * r["rollout/samples_scored"]
+        assert abs(wins - 8 * r["rollout/filtered_all_solved"] - r["rollout/reward"] * r["rollout/samples"]) <= slack + 1e-6, r
     # lag_max counts every token seen, dropped groups too: beyond the bound only where a group was dropped
     assert all(r["rollout/lag_max"] <= 1 or r["rollout/groups_dropped_stale"] > 0 for r in train)
     consumed = sum(r["rollout/prompts_consumed"] for r in train)
