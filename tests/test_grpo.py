@@ -600,19 +600,25 @@ def test_torchrun_ctrl_c_every_process_exits_checkpoint_intact(toy_model_dir, to
 
 
 @pytest.mark.slow
-def test_torchrun_two_fsdp2_learners_train_and_resume(toy_model_dir, toy_data_dir, tmp_path):
+def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_data_dir, tmp_path):
     """torchrun, 2 learners (FSDP2 on gloo) + 1 actor: two steps with a checkpoint each, then --resume
     for one more. The resumed run loads the sharded optimizer from the full saved state (this hung
     while the load broadcast on the default group, which the actor is in but never joins) and
-    continues it: AdamW's step count goes on from 2, where a fresh optimizer would restart at 1."""
+    continues it: AdamW's step count goes on from 2 to 3, where a fresh optimizer would restart at 1.
+    From the SFT start (the random model solves nothing, so its steps have no gradient at all), with
+    up to 16 prompts per step: a step without one group to learn from is vanishingly unlikely."""
     out = str(tmp_path / "run")
 
     def run(steps, *extra):
-        _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_learners", "2", "--num_training_steps", str(steps),
+        _, cmd = _grpo_cmd(toy_sft_model_dir, toy_data_dir, out, "--num_learners", "2", "--num_training_steps", str(steps),
                            "--eval_every", "0", "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4",
-                           "--save_every", "1", "--max_prompts_per_step_factor", "2", "--timeout_s", "60", *extra)
+                           "--save_every", "1", "--max_prompts_per_step_factor", "8", "--timeout_s", "60", *extra)
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "grpo.py", *cmd],
                               cwd=REPO, capture_output=True, text=True, timeout=400)
+
+    def adam_state(step):
+        state = torch.load(os.path.join(out, "checkpoints", f"step_{step}", "training_state.pt"), weights_only=False)
+        return state["optimizer"]["state"].values()
 
     first = run(2)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -621,8 +627,8 @@ def test_torchrun_two_fsdp2_learners_train_and_resume(toy_model_dir, toy_data_di
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "start step 2" in second.stdout
     rows = [r for r in _metrics(out) if "rollout/groups" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout/groups"] >= 1 for r in rows)  # each step learned
     assert all(r["sync/probe_max_abs_diff"] < 1e-2 for r in rows if r["sync/probe_checks"])  # both learners' shards reach the engine
-    steps_taken = {int(s["step"]) for s in torch.load(os.path.join(out, "checkpoints", "step_3", "training_state.pt"),
-                                                       weights_only=False)["optimizer"]["state"].values()}
-    assert steps_taken == {3}, steps_taken
+    assert {int(s["step"]) for s in adam_state(2)} == {2}
+    assert {int(s["step"]) for s in adam_state(3)} == {3}
+    assert any(float(s["exp_avg"].norm()) > 0 for s in adam_state(3))
