@@ -1466,8 +1466,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
 
 def rollout_metrics(batch, counts, lags, scored, stats_list, args) -> dict:
     """The rollout/ and perf/ part of a step's metrics, from the kept groups, the filter counts, the
-    per-token lags, the rewards of every prompt consumed this step and the actors' stats deltas. Keys starting with
-    `_` are totals for the summary."""
+    per-token lags, the rewards of every prompt consumed this step and the actors' stats deltas.
+    Keys starting with `_` are totals for the summary."""
     rewards = [r for g in batch for r in g["rewards"]]
     lens = [len(s["response_ids"]) for g in batch for s in g["samples"]]
     m = {"rollout/reward": float(np.mean(rewards)) if rewards else 0.0,

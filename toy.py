@@ -347,7 +347,7 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
         "accuracy_by_operands": {k: mean(v) for k, v in sorted(by_operands.items())},
         "accuracy_by_carry": {k: mean(v) for k, v in sorted(by_carry.items(), reverse=True)},
         "answer_found": mean([r.error is None for r in results]),
-        "boxes_last_step": mean(box_checks) if box_checks else float("nan"),
+        "boxes_last_step": mean(box_checks) if box_checks else None,  # None: no multi-step answer to check
         "num_examples": len(results),
         "num_errors": sum(r.error is not None for r in results),
         "mean_response_chars": mean([len(r) for r in responses]),
@@ -423,11 +423,12 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
              for k in ("no carry", "needs a carry")]
     if num_samples > 0:
         rows += [(f"pass@1, sampled (T={temperature:g}, k={num_samples}, %)", lambda r: 100 * r["sampled_pass@1"])]
-    rows += [("Boxes its last step (%)", lambda r: 100 * r["boxes_last_step"]),
+    rows += [("Boxes its last step (%)", lambda r: None if r["boxes_last_step"] is None else 100 * r["boxes_last_step"]),
              ("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
-    table = [header] + [[name] + [f"{fn(r):.1f}" for r in results.values()] for name, fn in rows]
+    cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731  (no such answers / no such problems)
+    table = [header] + [[name] + [cell(fn(r)) for r in results.values()] for name, fn in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                      for row in table)

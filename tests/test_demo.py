@@ -19,7 +19,11 @@ def test_short_demo_runs_every_stage_and_prints_the_table(tmp_path):
     for stage in ("1/5 toy", "2/5 SFT", "3/5 DPO", "4/5 RL", "5/5 evaluation"):
         assert stage in proc.stdout, stage
     assert "Accuracy, greedy (all, %)" in proc.stdout and "pass@1, sampled" in proc.stdout
-    results = json.loads((out / "results.json").read_text())
+    printed_table = proc.stdout.split("Toy arithmetic")[1].split("\n\n")[0]
+    assert "Boxes its last step (%)" in printed_table and "nan" not in printed_table  # the base model's row reads "-"
+    def strict(constant):  # NaN / Infinity are not JSON: other tools cannot read them
+        raise ValueError(f"results.json holds {constant}")
+    results = json.loads((out / "results.json").read_text(), parse_constant=strict)
     assert list(results) == ["base", "SFT", "DPO", "RL"]
     for result in results.values():
         assert result["num_examples"] == 32 and 0.0 <= result["accuracy"] <= 1.0
