@@ -1343,8 +1343,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 gs, c, lg = offpolicy_filter(gs, version, args.async_steps)
                 counts.update(c)
                 lags.extend(lg)
-                fresh_groups = [g for g in gs if "rewards" not in g]
-                score(fresh_groups, counts)
+                score([g for g in gs if "rewards" not in g], counts)
                 pulled.extend(gs)
                 useful[0] += sum(filter_reason(g["rewards"]) is None for g in gs)
                 if fresh:

@@ -427,8 +427,8 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
              ("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
-    cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731  (no such answers / no such problems)
-    table = [header] + [[name] + [cell(fn(r)) for r in results.values()] for name, fn in rows]
+    format_cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731  (no such answers / no such problems)
+    table = [header] + [[name] + [format_cell(fn(r)) for r in results.values()] for name, fn in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
                      for row in table)
