@@ -12,7 +12,7 @@
 # groups dropped, and each configuration's speedup over the first. Writes results.json,
 # results.md, tokens_per_s.png and each run's log (run_*.log) and output directory into RESULTS_DIR.
 #
-#   bash bench_infra.sh                       # CPU default: toy model, ~10 min on an idle 2-core machine
+#   bash bench_infra.sh                       # CPU default: toy model, ~6 min on an idle 2-core machine
 #   bash bench_infra.sh --report RESULTS_DIR  # only (re)build the table and plot from finished runs
 #
 # Budget. Every configuration runs the same number of learner steps (STEPS), with the same seed,
@@ -34,12 +34,22 @@
 # With a trained model and real data set RESPONSE_LENGTH_SAMPLER=none: lengths are then the model's.
 #
 # Regime. The paper's benchmark is generation-bound ("inference is our bottleneck"): that is where
-# continuous batching and inflight updates pay. On a 2-core CPU the fp32 learner is slower per token
-# than the vLLM engine once the engine has many slots (measured: 16 prompts x 2 samples in 32 slots
-# leaves the learner training ~20 s per step while the actor waits at the off-policy bound), so the
-# CPU default is small per step (2 prompts x 2 samples, 4 slots) to keep generation the bottleneck.
+# continuous batching and inflight updates pay. On CPU, grpo.py pins each torchrun rank to its own
+# cores (--cpu_affinity, on by default); without it vLLM's engine-core process busy-polls its worker,
+# the two take both cores of a 2-core machine, and the learner's steps ran 5-17x slower than alone,
+# which made the benchmark learner-bound. Pinned, the fp32 toy learner trains ~2,000 tokens/s on one
+# core and the engine generates ~360 tokens/s with 4 slots (~850 with 16) on the other, so the CPU
+# default, 2 prompts x 2 samples in 4 slots, is generation-bound. Larger batches (8 x 2 in 16 slots
+# measured) stay generation-bound, but more long groups outlive the off-policy bound under inflight
+# updates and are dropped as stale (see the table), which costs the inflight run throughput.
 # Check `learner data wait s` in the table: near zero means the run was learner-bound, and then
 # neither continuous batching nor inflight updates can raise learner steps/min.
+#
+# What to expect. With drained updates, every learner step ends in a drain: the actor finishes all it
+# runs before it loads the new weights, and with the off-policy bound of 1 it has nothing else it may
+# start. That drain is a static batch's tail again, so continuous batching with drained updates
+# generates about as fast as static batching; inflight updates remove the drain. The report prints
+# the targets and, as context, continuous-with-inflight against static.
 #
 # Environment variables (defaults: the CPU toy run; the paper's values in brackets):
 #   MODEL                 HF model dir or hub name (default: toy.py model, built once in CACHE_DIR)
@@ -64,7 +74,7 @@
 #   RESPONSE_LENGTH_MEAN  mean of the exponential (default 0.55 x MAX_RESPONSE_LENGTH, mean/max ~0.46)
 #   MAX_NUM_SEQS          vLLM slots per engine (default PROMPTS_PER_STEP x SAMPLES_PER_PROMPT / actors:
 #                         one static batch, i.e. one step's completions, fills the engine exactly) [64]
-#   STEPS                 learner steps per configuration, the budget (default 10) [enough for 2 h]
+#   STEPS                 learner steps per configuration, the budget (default 20) [enough for 2 h]
 #   SEED                  (default 1)
 #   ENFORCE_EAGER         1: vLLM without compilation, starts faster (default 1 on CPU, 0 on GPU)
 #   CONFIGS               which configurations to run (default all three, in the order above;
@@ -190,6 +200,14 @@ if cont:
     targets["occupancy_continuous"] = {"measured": v, "target": ">= 0.90 (min over continuous runs)", "holds": v >= 0.9}
 v = max(r["weight_sync_share_of_step"] for r in rows)
 targets["weight_sync_share_of_step"] = {"measured": v, "target": "< 0.10 (max over runs)", "holds": v < 0.1}
+# Not targets, context for them: the whole Olmo 3 actor (continuous batching with inflight updates)
+# against static batching, and each continuous run's occupancy. With drained updates every learner
+# step ends in a drain, whose tail is a static batch's tail again.
+context = {}
+if "static_drained" in by and "continuous_inflight" in by:
+    context["continuous_inflight_vs_static_gen"] = by["continuous_inflight"]["generated_tokens_per_s"] / max(by["static_drained"]["generated_tokens_per_s"], 1e-9)
+for r in cont:
+    context[f"occupancy_{r['config']}"] = r["actor_occupancy"]
 
 load = "not recorded"
 if os.path.exists(os.path.join(out_dir, "loadavg.txt")):
@@ -228,12 +246,14 @@ notes = [
     "- Machine load (1/5/15-min load average; timings are only comparable on an otherwise idle machine): " + load + ".",
     "- Targets: " + "; ".join(f"{k} {t['measured']:.2f} ({t['target']}): {'holds' if t['holds'] else 'MISSED'}" for k, t in targets.items()) + ".",
 ]
+if context:
+    notes.append("- Context (not targets): " + "; ".join(f"{k} {v:.2f}" for k, v in context.items()) + ".")
 print()
 print("\n".join(notes))
 with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write("# bench_infra.sh results\n\n" + "\n".join(md) + "\n\n" + "\n".join(notes) + "\n")
 with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump({"rows": rows, "targets": targets, "baseline": base["config"], "loadavg": load}, f, indent=1)
+    json.dump({"rows": rows, "targets": targets, "context": context, "baseline": base["config"], "loadavg": load}, f, indent=1)
 
 try:
     import matplotlib
@@ -285,7 +305,7 @@ WORLD=$(( NPROC * NNODES ))
 NUM_ACTORS=$(( WORLD > 1 ? WORLD - NUM_LEARNERS : 1 ))
 (( NUM_ACTORS >= 1 )) || { echo "NUM_LEARNERS=$NUM_LEARNERS leaves no actor rank in $WORLD processes" >&2; exit 2; }
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-$(( (PROMPTS_PER_STEP * SAMPLES_PER_PROMPT + NUM_ACTORS - 1) / NUM_ACTORS ))}
-STEPS=${STEPS:-10}
+STEPS=${STEPS:-20}
 SEED=${SEED:-1}
 ENFORCE_EAGER=${ENFORCE_EAGER:-$(( 1 - HAS_GPU ))}
 CONFIGS=${CONFIGS:-static_drained continuous_drained continuous_inflight}

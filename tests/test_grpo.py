@@ -3,6 +3,7 @@ utilization math) against hand-computed values, then end-to-end runs on the toy 
 an inflight weight update seen token by token, a colocated run within the off-policy bound, torchrun
 learner + actor, a killed actor, resume, two FSDP2 learners that resume."""
 
+import ast
 import json
 import math
 import os
@@ -91,6 +92,17 @@ def test_measured_peaks_on_cpu():
 # -------------------------------------------------------------------------------------------------
 # Advantages, active sampling, off-policy bound
 # -------------------------------------------------------------------------------------------------
+def test_split_cores_gives_each_local_rank_its_own_share():
+    assert grpo.split_cores([0, 1], 0, 2) == [0] and grpo.split_cores([0, 1], 1, 2) == [1]
+    shares = [grpo.split_cores(list(range(5)), r, 2) for r in range(2)]
+    assert shares == [[0, 1, 2], [3, 4]]  # the first rank takes the odd core
+    assert [grpo.split_cores([2, 3, 6, 7], r, 2) for r in range(2)] == [[2, 3], [6, 7]]  # an allowed set with gaps
+    assert grpo.split_cores([0, 1], 0, 3) is None  # fewer cores than ranks: nothing is pinned
+    assert grpo.split_cores(list(range(8)), 0, 1) is None  # one process: nothing to split
+    shares = [grpo.split_cores(list(range(16)), r, 3) for r in range(3)]
+    assert sorted(c for s in shares for c in s) == list(range(16)) and [len(s) for s in shares] == [6, 5, 5]
+
+
 def test_advantages():
     assert grpo.compute_advantages([[1, 0, 0, 1]], "centered") == [[0.5, -0.5, -0.5, 0.5]]
     std = grpo.compute_advantages([[1, 0, 0, 1], [1, 1]], "standard")
@@ -541,6 +553,11 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
         actor_pid = int(text.split("[actor rank 1] pid ")[1].split(":")[0])
         engine_pids = _descendants(actor_pid)  # vLLM's engine core and worker
         assert engine_pids
+        if len(os.sched_getaffinity(0)) >= 2:  # each rank on its own core(s); vLLM's processes stay on the actor's
+            learner_cores = set(ast.literal_eval(text.split("[rank 0] pinned to CPU cores ")[1].split("\n")[0]))
+            actor_cores = set(ast.literal_eval(text.split("[rank 1] pinned to CPU cores ")[1].split("\n")[0]))
+            assert learner_cores and actor_cores and not learner_cores & actor_cores
+            assert all(os.sched_getaffinity(p) == actor_cores for p in [actor_pid, *engine_pids])
         os.kill(actor_pid, signal.SIGKILL)
         t = time.time()
         rc = proc.wait(timeout=90)
