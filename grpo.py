@@ -621,20 +621,35 @@ def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> lis
 
 
 def pin_cpu_cores(is_actor: bool) -> list[int] | None:
-    """CPU torchrun runs: pin this rank to its share of the cores before any thread or process starts
-    (children inherit it). Measured on 2 cores, 1 learner + 1 actor: unpinned, vLLM's engine-core
-    process spins on sched_yield while its worker computes, the two take both cores, and the
-    learner's step ran 5-17x slower than alone; pinned, the learner runs at its solo speed and the
-    engine generates as fast on its one core as it did on two."""
+    """CPU torchrun runs: this rank's share of the cores. Measured on 2 cores, 1 learner + 1 actor:
+    unpinned, vLLM's engine-core process spins on sched_yield while its worker computes, the two take
+    both cores, and the learner's step ran 5-17x slower than alone; pinned, the learner runs at its
+    solo speed and the engine generates as fast on its one core as it did on two. A learner pins
+    itself now, before gloo starts threads (they inherit it). An actor only tells vLLM's worker where
+    to bind its OpenMP threads, and pins itself and vLLM's processes once the engine is up
+    (pin_process_tree): the engine's start (two processes importing and loading) took 43 s on one
+    core against 32 s unpinned, while the learner waits for it anyway."""
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     mine = split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world) if hasattr(os, "sched_setaffinity") else None
     if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
         return None  # too few cores to split, or the user binds vLLM's threads themselves
-    os.sched_setaffinity(0, mine)
-    if is_actor:  # vLLM's worker binds its OpenMP threads to these cores; no core is held back for its scheduler
+    if is_actor:  # vLLM's "auto" binding would hold one core back for its scheduler
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    else:
+        os.sched_setaffinity(0, mine)
     return mine
+
+
+def pin_process_tree(cores: list[int]):
+    """Pin every thread of this process and of its descendants (vLLM's engine core and worker)."""
+    import psutil  # a vLLM dependency
+
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, OSError):  # a thread or process may end meanwhile
+            for th in proc.threads():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(th.id, cores)
 
 
 TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -879,13 +894,15 @@ class Actor:
             self.engine.engine_core.shutdown()
 
 
-def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: str, model_path: str):
+def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: str, model_path: str, cores: list[int] | None = None):
     """An actor rank: threads move prompts in, groups out, and weights in over gloo; the main thread
     runs the engine loop. Any failure is sent to learner 0 and the process exits non-zero."""
     print(f"[actor rank {rank}] pid {os.getpid()}: starting vLLM", flush=True)
     outbox = queue.Queue()
     num_learners = min(args.num_learners, dist.get_world_size() - 1)
     actor = Actor(args, model_path, rank - num_learners, outbox.put, device, dist.get_world_size() - num_learners)
+    if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
+        pin_process_tree(cores)
     errors = []
 
     def guarded(fn):
@@ -1112,6 +1129,7 @@ def main():
     use_cuda = torch.cuda.is_available()
     device = f"cuda:{local_rank}" if use_cuda else "cpu"
     timeout = datetime.timedelta(seconds=args.timeout_s)
+    cores = None
     if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
         cores = pin_cpu_cores(is_actor=rank >= min(args.num_learners, world_size - 1))
         print(f"[rank {rank}] pinned to CPU cores {cores}" if cores else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
@@ -1146,7 +1164,7 @@ def main():
 
     if not is_learner:
         try:
-            run_actor_rank(args, rank, 0, groups, device, model_path)
+            run_actor_rank(args, rank, 0, groups, device, model_path, cores)
         except KeyboardInterrupt:
             os._exit(130)
         except Exception:
