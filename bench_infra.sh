@@ -49,7 +49,7 @@
 # runs before it loads the new weights, and with the off-policy bound of 1 it has nothing else it may
 # start. That drain is a static batch's tail again, so continuous batching with drained updates
 # generates about as fast as static batching; inflight updates remove the drain. The report prints
-# the targets and, as context, continuous-with-inflight against static.
+# the targets and, as context, continuous-with-inflight against static.
 #
 # Environment variables (defaults: the CPU toy run; the paper's values in brackets):
 #   MODEL                 HF model dir or hub name (default: toy.py model, built once in CACHE_DIR)
