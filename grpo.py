@@ -620,7 +620,7 @@ def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> lis
     return cores[start:start + base + (local_rank < extra)]
 
 
-def pin_cpu_cores(is_actor: bool) -> list[int] | None:
+def pin_cpu_cores(local_rank: int, is_actor: bool) -> list[int] | None:
     """CPU torchrun runs: this rank's share of the cores. Measured on 2 cores, 1 learner + 1 actor:
     unpinned, vLLM's engine-core process spins on sched_yield while its worker computes, the two take
     both cores, and the learner's step ran 5-17x slower than alone; pinned, the learner runs at its
@@ -629,7 +629,7 @@ def pin_cpu_cores(is_actor: bool) -> list[int] | None:
     to bind its OpenMP threads, and pins itself and vLLM's processes once the engine is up
     (pin_process_tree): the engine's start (two processes importing and loading) took 43 s on one
     core against 32 s unpinned, while the learner waits for it anyway."""
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     mine = split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world) if hasattr(os, "sched_setaffinity") else None
     if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
         return None  # too few cores to split, or the user binds vLLM's threads themselves
@@ -1129,16 +1129,16 @@ def main():
     use_cuda = torch.cuda.is_available()
     device = f"cuda:{local_rank}" if use_cuda else "cpu"
     timeout = datetime.timedelta(seconds=args.timeout_s)
+    num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
+    is_learner, is_main = rank < num_learners, rank == 0
     cores = None
     if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
-        cores = pin_cpu_cores(is_actor=rank >= min(args.num_learners, world_size - 1))
+        cores = pin_cpu_cores(local_rank, is_actor=not is_learner)
         print(f"[rank {rank}] pinned to CPU cores {cores}" if cores else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
-    is_learner, is_main = rank < num_learners, rank == 0
     actor_ranks = list(range(num_learners, world_size))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
