@@ -129,7 +129,7 @@ class Args:
     # system
     num_learners: int = field(default=1, metadata={"help": "torchrun ranks [0, num_learners) learn; the rest are actors. Ignored with one process."})
     batching: str = field(default="continuous", metadata={"help": "'continuous' (keep the engine full) or 'static' (one generate-style batch at a time; ablation)."})
-    inflight_updates: bool = field(default=True, metadata={"help": "Load new weights between two engine steps without draining (off: drain, then load)."})
+    inflight_updates: bool = field(default=True, metadata={"help": "Load new weights between two engine steps without draining (off: drain, then load the newest weights that have arrived)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
     enforce_eager: bool = field(default=False, metadata={"help": "vLLM without compilation: starts faster, generates slower."})
@@ -818,6 +818,24 @@ class Actor:
         if upd.get("probe_ids"):
             self._start_probe(upd["probe_ids"], upd["probe_logprobs"], upd["version"])
 
+    def _newest_update(self, upd: dict) -> dict:
+        """The newest full update queued behind `upd`. Each full update supersedes the ones before it:
+        loading them in turn after drains (drained updates, static batches) cost one drain per version,
+        and the actor fell further behind the learner at each, generating with weights several
+        versions old that the off-policy bound then dropped (measured: 71 stale groups in 30 steps)."""
+        while upd.get("path"):
+            with self.updates.mutex:  # peek: only a full update supersedes (the first, probe-only one does not)
+                newer = self.updates.queue[0] if self.updates.queue and self.updates.queue[0].get("path") else None
+                if newer is not None:
+                    self.updates.queue.popleft()
+            if newer is None:
+                break
+            with contextlib.suppress(OSError):
+                os.remove(upd["path"])
+            self.stats["updates_skipped"] += 1
+            upd = newer
+        return upd
+
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
         args, engine = self.args, self.engine
@@ -848,7 +866,7 @@ class Actor:
                 if drain_t0 is not None:
                     self.stats["drain_s"] += time.perf_counter() - drain_t0
                     drain_t0 = None
-                self._apply_update(next_update)
+                self._apply_update(self._newest_update(next_update))
                 next_update = None
             elif next_update is not None and drain_t0 is None:
                 drain_t0 = time.perf_counter()
@@ -1567,7 +1585,7 @@ def rollout_metrics(batch, counts, lags, scored, stats_list, args) -> dict:
               "perf/actor_mfu": s["flops"] / max(s["peak_flops_s"], 1e-9), "perf/actor_mbu": s["bytes"] / max(s["peak_bw_s"], 1e-9),
               "perf/actor_occupancy": s["occupancy_s"] / el, "time/actor_weight_wait": weight_wait,
               "time/actor_idle": s["idle_s"], "time/actor_drain": s["drain_s"], "time/actor_weight_load": s["weight_load_s"],
-              "sync/probe_checks": s["probe_checks"], "sync/probe_mean_abs_diff": s["probe_mean"], "sync/probe_max_abs_diff": s["probe_max"]})
+              "sync/updates_skipped": s["updates_skipped"], "sync/probe_checks": s["probe_checks"], "sync/probe_mean_abs_diff": s["probe_mean"], "sync/probe_max_abs_diff": s["probe_max"]})
     if stats_list:
         m["perf/peak_source"] = stats_list[-1]["peak_source"]
         m["perf/peak_flops"], m["perf/peak_memory_bandwidth"] = stats_list[-1]["peak_flops"], stats_list[-1]["peak_bw"]

@@ -374,7 +374,10 @@ def _args(**kw):
 def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir, tmp_path):
     """Requests running when new weights arrive are neither aborted nor restarted: their early tokens
     keep the old model's logprobs, their later tokens have the new model's, token for token, and vLLM
-    labels every token with the version that produced it. Then a wrong probe fails loudly."""
+    labels every token with the version that produced it. Then, switched to drained updates, three
+    updates that arrive while a request runs wait for it to finish, and only the newest is loaded
+    (its probe passes; the two it supersedes are skipped and their files removed). Last, a wrong
+    probe fails loudly."""
     from transformers import AutoModelForCausalLM
 
     old = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
@@ -436,10 +439,40 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
             assert (got[:k] - ref_old[:k]).abs().max() < 2e-3  # before: the old model
             assert (got[k:] - ref_new[k:]).abs().max() < 2e-3  # after: the new model
             assert (ref_new[k:] - ref_old[k:]).abs().mean() > 0.1  # and the two models differ
-        # the probe after the update passed; now a probe that disagrees must stop the actor
+        # the probe after the update passed
         time.sleep(0.5)
         assert not errors and out[-1]["stats"].get("probe_checks", 0) + actor.stats["probe_checks"] >= 1
-        actor.updates.put({"version": 2, "probe_ids": probe_ids, "probe_logprobs": [x + 0.5 for x in probe]})
+        # drained updates: versions 2, 3, 4 arrive while a request runs; it finishes under version 1,
+        # then the engine loads version 4 alone (a probe of 4's logprobs would fail on 2's or 3's weights)
+        actor.args.inflight_updates = False
+        updates = []
+        for v, scale in ((2, 2.0), (3, 3.0), (4, 0.5)):
+            model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+            with torch.no_grad():
+                model.lm_head.weight.mul_(scale)
+                lp = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), -1)
+            sd = model.state_dict()
+            torch.save(sd, tmp_path / f"w{v}.pt")
+            updates.append({"version": v, "path": str(tmp_path / f"w{v}.pt"), "expected": {k: (tuple(t.shape), t.dtype) for k, t in sd.items()},
+                            "probe_ids": probe_ids, "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]})
+        n_out = len(out)
+        actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math", "n": 2}])
+        while not (len(actor.pending) == 2 and all(len(s["tokens"]) >= 8 for s in actor.pending.values())):
+            assert time.time() < deadline + 120 and not errors, errors
+            time.sleep(0.002)
+        for u in updates:
+            actor.updates.put(u)
+        while actor.version != 4 or actor.probe is not None:  # loaded, and its probe has run
+            assert time.time() < deadline + 240 and not errors, errors
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert not errors, errors
+        (drained,) = [m["group"] for m in out[n_out:] if "group" in m]
+        assert all(s["versions"] == [1] * 160 for s in drained["samples"])  # no update mid-sequence
+        assert sum(m["stats"].get("updates_skipped", 0) for m in out[n_out:]) + actor.stats["updates_skipped"] == 2
+        assert not any(os.path.exists(u["path"]) for u in updates)  # the skipped files too
+        # a probe that disagrees must stop the actor
+        actor.updates.put({"version": 5, "probe_ids": probe_ids, "probe_logprobs": [x + 0.5 for x in probe]})
         thread.join(timeout=60)
         assert errors and "stale or corrupted" in str(errors[0])
     finally:
