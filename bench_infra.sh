@@ -38,18 +38,28 @@
 # cores (--cpu_affinity, on by default); without it vLLM's engine-core process busy-polls its worker,
 # the two take both cores of a 2-core machine, and the learner's steps ran 5-17x slower than alone,
 # which made the benchmark learner-bound. Pinned, the fp32 toy learner trains ~2,000 tokens/s on one
-# core and the engine generates ~360 tokens/s with 4 slots (~850 with 16) on the other, so the CPU
-# default, 2 prompts x 2 samples in 4 slots, is generation-bound. Larger batches (8 x 2 in 16 slots
-# measured) stay generation-bound, but more long groups outlive the off-policy bound under inflight
-# updates and are dropped as stale (see the table), which costs the inflight run throughput.
+# core and the engine generates ~360 tokens/s with 4 running sequences (~850 with 16) on the other.
 # Check `learner data wait s` in the table: near zero means the run was learner-bound, and then
 # neither continuous batching nor inflight updates can raise learner steps/min.
 #
-# What to expect. With drained updates, every learner step ends in a drain: the actor finishes all it
-# runs before it loads the new weights, and with the off-policy bound of 1 it has nothing else it may
-# start. That drain is a static batch's tail again, so continuous batching with drained updates
-# generates about as fast as static batching; inflight updates remove the drain. The report prints
-# the targets and, as context, continuous-with-inflight against static.
+# Off-policy bound and slots. The paper's benchmark script (open-instruct
+# scripts/benchmarking/olmo3_infra.sh, the report's footnote 44) ran --async_steps 4, so ASYNC_STEPS
+# defaults to 4 here, for all three configurations (grpo.py's own default is 1). Each engine gets
+# MAX_NUM_SEQS = 2 x one step's completions per actor (8 on the CPU default): room to run the next
+# step while the current one's tail finishes, which is what continuous batching is for. More slots
+# make each sequence slower, and under inflight updates more of the long ones outlive the bound and
+# are dropped as stale (measured, 30 steps with ASYNC_STEPS 4: 7 groups dropped with 8 slots, 29
+# with 16, and the kept responses got shorter, 217 vs 167 tokens on average).
+#
+# What to expect. Static batching generates one step's share at a time (4 of the 8 slots on the
+# CPU default) and waits for its longest response before it takes the next batch. Continuous
+# batching keeps the slots filled from the prompts of the next ASYNC_STEPS steps. With drained
+# updates it still stops admitting at every learner step and drains before it loads the new
+# weights (the newest that has arrived; older ones are skipped), so its engine is idle part of the
+# time; inflight updates remove the drain. Under inflight updates a long sequence spans several
+# learner versions, and a group with any token more than ASYNC_STEPS versions old is dropped as
+# stale (grpo.py's off-policy rule, DESIGN.md): the table's `stale groups dropped` and `trained
+# tok/s` show what that costs, and why learner steps/min can rise less than generated tokens/s.
 #
 # Environment variables (defaults: the CPU toy run; the paper's values in brackets):
 #   MODEL                 HF model dir or hub name (default: toy.py model, built once in CACHE_DIR)
@@ -66,15 +76,16 @@
 #                         [`--node-rank $NODE_RANK --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id bench`]
 #   NODE_RANK             this node's rank (default 0); only node 0 holds the learner's outputs and
 #                         builds the report
-#   PROMPTS_PER_STEP      unique prompts per learner step (default 2, see "Regime" above) [64]
+#   PROMPTS_PER_STEP      unique prompts per learner step (default 2) [64]
 #   SAMPLES_PER_PROMPT    completions per prompt (default 2) [2]
 #   MAX_PROMPT_LENGTH     (default 128) [2048]
 #   MAX_RESPONSE_LENGTH   (default 512) [32000]
 #   RESPONSE_LENGTH_SAMPLER  exponential (default) or none (the model's own lengths)
 #   RESPONSE_LENGTH_MEAN  mean of the exponential (default 0.55 x MAX_RESPONSE_LENGTH, mean/max ~0.46)
-#   MAX_NUM_SEQS          vLLM slots per engine (default PROMPTS_PER_STEP x SAMPLES_PER_PROMPT / actors:
-#                         one static batch, i.e. one step's completions, fills the engine exactly) [64]
-#   STEPS                 learner steps per configuration, the budget (default 20) [enough for 2 h]
+#   ASYNC_STEPS           off-policy bound K, grpo.py --async_steps (default 4, see above) [4]
+#   MAX_NUM_SEQS          vLLM slots per engine (default 2 x PROMPTS_PER_STEP x SAMPLES_PER_PROMPT
+#                         / actors, see above) [32: 2 x 128 completions / 8 engines]
+#   STEPS                 learner steps per configuration, the budget (default 30) [enough for 2 h]
 #   SEED                  (default 1)
 #   ENFORCE_EAGER         1: vLLM without compilation, starts faster (default 1 on CPU, 0 on GPU)
 #   CONFIGS               which configurations to run (default all three, in the order above;
@@ -88,7 +99,7 @@
 # The paper's layout (Table 23: two 8-GPU nodes, one learning, one generating), run on each node:
 #   MODEL=allenai/Olmo-3-7B-Think-DPO DATA=your_rlvr.jsonl RESPONSE_LENGTH_SAMPLER=none \
 #   NNODES=2 NPROC=8 NUM_LEARNERS=8 NODE_RANK=<0|1> PROMPTS_PER_STEP=64 SAMPLES_PER_PROMPT=2 \
-#   MAX_PROMPT_LENGTH=2048 MAX_RESPONSE_LENGTH=32000 MAX_NUM_SEQS=64 STEPS=200 \
+#   MAX_PROMPT_LENGTH=2048 MAX_RESPONSE_LENGTH=32000 STEPS=200 \
 #   TORCHRUN_ARGS="--node-rank <0|1> --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 --rdzv-id bench" \
 #   RESULTS_DIR=results/table23 bash bench_infra.sh
 # (the same RESULTS_DIR path on both nodes; node 0 prints the table). On GPUs MFU / MBU use the
@@ -201,11 +212,14 @@ if cont:
 v = max(r["weight_sync_share_of_step"] for r in rows)
 targets["weight_sync_share_of_step"] = {"measured": v, "target": "< 0.10 (max over runs)", "holds": v < 0.1}
 # Not targets, context for them: the whole Olmo 3 actor (continuous batching with inflight updates)
-# against static batching, and each continuous run's occupancy. With drained updates every learner
-# step ends in a drain, whose tail is a static batch's tail again.
+# against static batching, each continuous run's occupancy (with drained updates the engine admits
+# nothing while it drains at every learner step), and inflight vs drained in trained tokens/s, which,
+# unlike generated tokens/s, counts only what was not dropped as stale.
 context = {}
 if "static_drained" in by and "continuous_inflight" in by:
     context["continuous_inflight_vs_static_gen"] = by["continuous_inflight"]["generated_tokens_per_s"] / max(by["static_drained"]["generated_tokens_per_s"], 1e-9)
+if "continuous_drained" in by and "continuous_inflight" in by:
+    context["inflight_vs_drained_trained_tokens_per_s"] = by["continuous_inflight"]["trained_tokens_per_s"] / max(by["continuous_drained"]["trained_tokens_per_s"], 1e-9)
 for r in cont:
     context[f"occupancy_{r['config']}"] = r["actor_occupancy"]
 
@@ -304,8 +318,9 @@ RESPONSE_LENGTH_MEAN=${RESPONSE_LENGTH_MEAN:-$(( MAX_RESPONSE_LENGTH * 55 / 100 
 WORLD=$(( NPROC * NNODES ))
 NUM_ACTORS=$(( WORLD > 1 ? WORLD - NUM_LEARNERS : 1 ))
 (( NUM_ACTORS >= 1 )) || { echo "NUM_LEARNERS=$NUM_LEARNERS leaves no actor rank in $WORLD processes" >&2; exit 2; }
-MAX_NUM_SEQS=${MAX_NUM_SEQS:-$(( (PROMPTS_PER_STEP * SAMPLES_PER_PROMPT + NUM_ACTORS - 1) / NUM_ACTORS ))}
-STEPS=${STEPS:-20}
+ASYNC_STEPS=${ASYNC_STEPS:-4}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-$(( 2 * ((PROMPTS_PER_STEP * SAMPLES_PER_PROMPT + NUM_ACTORS - 1) / NUM_ACTORS) ))}
+STEPS=${STEPS:-30}
 SEED=${SEED:-1}
 ENFORCE_EAGER=${ENFORCE_EAGER:-$(( 1 - HAS_GPU ))}
 CONFIGS=${CONFIGS:-static_drained continuous_drained continuous_inflight}
@@ -350,7 +365,7 @@ fi
 COMMON=(--model_name_or_path "$MODEL" --dataset_mixer_list "$DATA" 1.0 --seed "$SEED"
         --num_training_steps "$STEPS" --num_unique_prompts_per_step "$PROMPTS_PER_STEP"
         --num_samples_per_prompt "$SAMPLES_PER_PROMPT" --max_prompt_length "$MAX_PROMPT_LENGTH"
-        --max_response_length "$MAX_RESPONSE_LENGTH" --max_num_seqs "$MAX_NUM_SEQS" --eval_every 0)
+        --max_response_length "$MAX_RESPONSE_LENGTH" --max_num_seqs "$MAX_NUM_SEQS" --async_steps "$ASYNC_STEPS" --eval_every 0)
 if [[ $RESPONSE_LENGTH_SAMPLER == exponential ]]; then
     COMMON+=(--response_length_sampler exponential --response_length_mean "$RESPONSE_LENGTH_MEAN")
     LENGTHS="benchmark-only sampler: max_tokens = min($MAX_RESPONSE_LENGTH, Exponential(mean $RESPONSE_LENGTH_MEAN)) per request, eos ignored; expected mean/max $("$PYTHON" -c "import math; m, L = $RESPONSE_LENGTH_MEAN, $MAX_RESPONSE_LENGTH; print(f'{m * (1 - math.exp(-L / m)) / L:.2f}')")"
@@ -364,7 +379,7 @@ bench_infra.sh: Olmo 3 Table 23 ablation, $(date -u +%FT%TZ) on $(hostname) ($(n
   mode:      $MODE
   model:     $MODEL
   data:      $DATA
-  per step:  $PROMPTS_PER_STEP prompts x $SAMPLES_PER_PROMPT samples, max prompt $MAX_PROMPT_LENGTH, max response $MAX_RESPONSE_LENGTH, $MAX_NUM_SEQS vLLM slots per engine
+  per step:  $PROMPTS_PER_STEP prompts x $SAMPLES_PER_PROMPT samples, max prompt $MAX_PROMPT_LENGTH, max response $MAX_RESPONSE_LENGTH, $MAX_NUM_SEQS vLLM slots per engine, async_steps $ASYNC_STEPS
   lengths:   $LENGTHS
   budget:    $STEPS learner steps per configuration, seed $SEED, enforce_eager=$ENFORCE_EAGER
   configs:   $CONFIGS

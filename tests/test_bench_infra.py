@@ -70,8 +70,10 @@ def test_report_hand_computed(tmp_path):
     assert t["inflight_vs_drained_steps_per_min"]["measured"] == pytest.approx(10.0 / 7.5) and t["inflight_vs_drained_steps_per_min"]["holds"]
     assert t["occupancy_continuous"]["measured"] == pytest.approx(0.95) and t["occupancy_continuous"]["holds"]
     assert t["weight_sync_share_of_step"]["measured"] == pytest.approx(0.2) and not t["weight_sync_share_of_step"]["holds"]
+    # trained tok/s: 300 tokens in (21 - 5 + 4) s drained, in (16 - 4 + 4) s inflight
     assert res["context"] == pytest.approx({"continuous_inflight_vs_static_gen": 2.0, "occupancy_continuous_drained": 0.95,
-                                            "occupancy_continuous_inflight": 0.97})
+                                            "occupancy_continuous_inflight": 0.97,
+                                            "inflight_vs_drained_trained_tokens_per_s": (300 / 16) / (300 / 20)})
     # every column in the issue is in the printed table and in results.md
     md = (tmp_path / "results.md").read_text()
     for col in ["gen tok/s", "learner tok/s", "trained tok/s", "steps", "mean step s", "actor MFU", "actor MBU", "occupancy",
