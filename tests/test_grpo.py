@@ -397,27 +397,35 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         except Exception as e:
             errors.append(e)
 
+    prompt = [5, 6, 7, 8, 9, 10]
+    probe_ids = prompt + [20, 21, 22, 23]
+
+    def weight_update(model, version):
+        """What the learner sends: the weights in a file, their shapes, and the learner's logprobs of
+        a fixed probe sequence."""
+        path = str(tmp_path / f"w{version}.pt")
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save(sd, path)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), -1)
+        return {"version": version, "path": path, "expected": {k: (tuple(v.shape), v.dtype) for k, v in sd.items()},
+                "probe_ids": probe_ids, "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]}
+
+    def wait_until_both_samples_run(limit):
+        while not (len(actor.pending) == 2 and all(len(s["tokens"]) >= 8 for s in actor.pending.values())):
+            assert time.time() < limit and not errors, errors
+            time.sleep(0.002)
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         actor.updates.put({"version": 0})
-        prompt = [5, 6, 7, 8, 9, 10]
         actor.inbox.put([{"kind": "train", "index": 0, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math", "n": 2}])
         deadline = time.time() + 120
-        while not (len(actor.pending) == 2 and all(len(s["tokens"]) >= 8 for s in actor.pending.values())):
-            assert time.time() < deadline and not errors, errors
-            time.sleep(0.002)
+        wait_until_both_samples_run(deadline)
         before = {rid: list(s["tokens"]) for rid, s in actor.pending.items()}
-        path = str(tmp_path / "w.pt")
-        sd = {k: v.clone() for k, v in new.state_dict().items()}
-        torch.save(sd, path)
-        # probe: the learner's (new model's) logprobs of a fixed sequence
-        probe_ids = prompt + [20, 21, 22, 23]
-        with torch.no_grad():
-            lp = torch.log_softmax(new(torch.tensor([probe_ids])).logits[0].float(), -1)
-        probe = [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]
-        actor.updates.put({"version": 1, "path": path, "expected": {k: (tuple(v.shape), v.dtype) for k, v in sd.items()},
-                           "probe_ids": probe_ids, "probe_logprobs": probe})
+        first = weight_update(new, 1)
+        actor.updates.put(first)
         while not out:
             assert time.time() < deadline and not errors, errors
             time.sleep(0.01)
@@ -450,16 +458,10 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
             model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
             with torch.no_grad():
                 model.lm_head.weight.mul_(scale)
-                lp = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), -1)
-            sd = model.state_dict()
-            torch.save(sd, tmp_path / f"w{v}.pt")
-            updates.append({"version": v, "path": str(tmp_path / f"w{v}.pt"), "expected": {k: (tuple(t.shape), t.dtype) for k, t in sd.items()},
-                            "probe_ids": probe_ids, "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]})
+            updates.append(weight_update(model, v))
         n_out = len(out)
         actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math", "n": 2}])
-        while not (len(actor.pending) == 2 and all(len(s["tokens"]) >= 8 for s in actor.pending.values())):
-            assert time.time() < deadline + 120 and not errors, errors
-            time.sleep(0.002)
+        wait_until_both_samples_run(deadline + 120)
         for u in updates:
             actor.updates.put(u)
         while actor.version != 4 or actor.probe is not None:  # loaded, and its probe has run
@@ -472,7 +474,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         assert sum(m["stats"].get("updates_skipped", 0) for m in out[n_out:]) + actor.stats["updates_skipped"] == 2
         assert not any(os.path.exists(u["path"]) for u in updates)  # the skipped files too
         # a probe that disagrees must stop the actor
-        actor.updates.put({"version": 5, "probe_ids": probe_ids, "probe_logprobs": [x + 0.5 for x in probe]})
+        actor.updates.put({"version": 5, "probe_ids": probe_ids, "probe_logprobs": [x + 0.5 for x in first["probe_logprobs"]]})
         thread.join(timeout=60)
         assert errors and "stale or corrupted" in str(errors[0])
     finally:
