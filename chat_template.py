@@ -40,10 +40,12 @@ Labeling (`tokenize_messages`):
     are extended back over the gap, so whitespace belongs to the token that holds it.
 
 Decisions on cases the Olmo 3 format leaves open:
-  * a final assistant turn that is a tool call (non-empty `tool_calls` or `function_calls`) ends with
-    `<|im_end|>` (trained, inside the block) and `\\n` (outside), not eos: a tool call hands control to
-    the environment (Olmo 3.5 convention, seed 002), and its render stays a prefix of the
-    conversation continued with the tool result. The released templates would put eos there.
+  * a final assistant turn ends with eos whether or not it is a tool call, and every earlier turn
+    with `<|im_end|>\\n`, byte for byte as the released Olmo 3 / 3.1 Instruct templates render it
+    (tests/data/olmo3_released_instruct.jinja is the released text; the tests compare renders). So a
+    conversation that ends in a tool call is not a prefix of the one continued with the tool result.
+  * an empty `tool_calls` list or `function_calls` string renders as no call; the released template
+    would print an empty `<function_calls></function_calls>` for it.
   * tool call `arguments` given as a JSON string (the OpenAI wire format) are parsed into a dict
     before rendering, so they serialize as `key=json(value)`; a string that is not a JSON object drops
     the row (`bad_tool_call`). Flat calls `{"name", "arguments"}` are accepted like
@@ -203,14 +205,14 @@ _TEMPLATE_LINES = [
     "{%- endfor -%}",
     "{{- '</function_calls>' -}}",
     "{%- endif -%}",
-    # A tool call hands off with <|im_end|> (even as the final message); a final answer ends with eos.
-    "{%- if has_function_calls or has_tool_calls or not loop.last -%}",
+    # As released: the final message ends with eos, tool call or not; earlier turns with <|im_end|>\n.
+    "{%- if not loop.last -%}",
     "{{- '<|im_end|>' -}}",
     "{%- else -%}",
     "{{- eos_token -}}",
     "{%- endif -%}",
     "{%- endgeneration -%}",
-    "{%- if has_function_calls or has_tool_calls or not loop.last -%}{{- '\\n' -}}{%- endif -%}",
+    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}",
     "{%- elif message['role'] == 'environment' or message['role'] == 'tool' -%}",
     "{{- '<|im_start|>environment\\n' + message['content'] + '<|im_end|>\\n' -}}",
     "{%- endif -%}",

@@ -118,8 +118,8 @@ def test_tool_calls_and_results(name):
         {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Boston", "days": [1, 2]}'}},
         {"name": "now", "arguments": None}]}
     assert r([TOOL_CONV[0], as_string] + TOOL_CONV[2:], name, tools=TOOLS) == text
-    # A final tool call hands off with <|im_end|>\n (not eos), so its render is a prefix of the continued one.
-    assert r(TOOL_CONV[:2], name).endswith("now()</function_calls><|im_end|>\n")
+    # A final tool call ends with eos, as the released templates render it (tests/test_released_template.py).
+    assert r(TOOL_CONV[:2], name).endswith("now()</function_calls>" + EOS)
 
 
 @pytest.mark.parametrize("name", list(ct.TEMPLATES))
@@ -130,10 +130,12 @@ def test_reasoning_content(name):
 
 @pytest.mark.parametrize("name", list(ct.TEMPLATES))
 def test_prefix_property(name):
-    """Rendering n messages is a prefix of rendering n+1 whenever message n is not a final answer."""
+    """Rendering n messages is a prefix of rendering n+1 whenever message n is not an assistant turn
+    (a final assistant turn, tool call or not, ends with eos)."""
     conv = [{"role": "system", "content": "S"}] + TOOL_CONV
     for n in range(1, len(conv)):
-        if conv[n - 1]["role"] == "assistant" and not conv[n - 1].get("tool_calls"):
+        if conv[n - 1]["role"] == "assistant":
+            assert not r(conv[:n + 1], name, tools=TOOLS).startswith(r(conv[:n], name, tools=TOOLS))
             continue
         assert r(conv[:n + 1], name, tools=TOOLS).startswith(r(conv[:n], name, tools=TOOLS))
 
@@ -173,10 +175,9 @@ def test_multi_turn_tool_labels_exact(tok, name):
         '<function_calls>get_weather(city="Boston", days=[1, 2])\nnow()</function_calls><|im_end|>', "41F." + EOS]
     last = ct.tokenize_messages(tok, TOOL_CONV, tools=TOOLS, chat_template=name, only_last_turn=True)
     assert last["input_ids"] == out["input_ids"] and trained_spans(tok, last) == ["41F." + EOS]
-    # Final tool call (e.g. a preference pair over calls): trains <|im_end|>, its `\n` stays outside.
+    # Final tool call (e.g. a preference pair over calls): ends with eos, trained, as released.
     call = ct.tokenize_messages(tok, TOOL_CONV[:2], chat_template=name)
-    assert trained_tokens(tok, call)[-1] == "<|im_end|>" and tok.decode(call["input_ids"][-1:]) == "\n"
-    assert call["labels"][-1] == -100
+    assert trained_tokens(tok, call)[-1] == EOS and call["labels"][-1] == tok.eos_token_id
 
 
 def test_mask_matches_transformers_assistant_mask(tok):
@@ -319,10 +320,12 @@ def test_over_length_drop_terminate_truncate(tok):
     term = ct.tokenize_messages(tok, [USER, ANSWER], max_length=10, over_length_strategy="terminate")
     assert term["input_ids"] == full["input_ids"][-10:] and term["labels"] == full["labels"][-10:]  # intact tail
     assert tok.decode(term["input_ids"][-1:]) == EOS
-    # A tool hand-off at the end is never overwritten with eos.
-    call = ct.tokenize_messages(tok, TOOL_CONV[:2], max_length=8, over_length_strategy="terminate")
-    last = max(i for i, label in enumerate(call["labels"]) if label != -100)
-    assert tok.decode(call["input_ids"][last:last + 1]) == "<|im_end|>"
+    # A tail that ends in a trained <|im_end|> keeps it (never overwritten with eos).
+    handoff = ("{%- for m in messages -%}{%- generation -%}{{- m['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
+               "{%- endfor -%}")
+    call = ct.tokenize_messages(tok, [{"role": "assistant", "content": "12345"}], chat_template=handoff, max_length=3,
+                                over_length_strategy="terminate")
+    assert tok.decode(call["input_ids"][-1:]) == "<|im_end|>" and call["labels"][-1] != -100
     # A tail without a terminator (an external template that ends without one) gets eos.
     bare = "{%- for m in messages -%}{%- generation -%}{{- m['content'] -}}{%- endgeneration -%}{%- endfor -%}"
     out = ct.tokenize_messages(tok, [{"role": "assistant", "content": "12345"}], chat_template=bare, max_length=3,

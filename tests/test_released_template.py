@@ -1,0 +1,94 @@
+"""Renders of `olmo3-instruct-release` against the released Olmo 3.1 Instruct template, byte for byte.
+
+tests/data/olmo3_released_instruct.jinja is the `chat_template` of allenai/Olmo-3.1-32B-Instruct (the
+same text as allenai/olmo-3-tokenizer-instruct-release), kept as data. Both templates render through
+the tokenizer's own `apply_chat_template`. The released template reads `tool_call['function']['arguments']`
+as a mapping, so the cases give calls in that form; ours also accepts JSON-string arguments and flat calls.
+"""
+
+import os
+
+import pytest
+from transformers import AutoTokenizer
+
+import chat_template as ct
+
+RELEASED = open(os.path.join(os.path.dirname(__file__), "data", "olmo3_released_instruct.jinja"), encoding="utf-8").read()
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+USER = {"role": "user", "content": "Weather in Boston?"}
+CALL_ONLY = {"role": "assistant", "content": None, "tool_calls": [call("get_weather", city="Boston")]}
+CALL_NO_CONTENT_KEY = {"role": "assistant", "tool_calls": [call("get_weather", city="Zürich", days=[1, 2])]}
+CALL_WITH_TEXT = {"role": "assistant", "content": "Let me check.", "tool_calls": [call("get_weather", city="Boston")]}
+TWO_CALLS = {"role": "assistant", "content": None,
+             "tool_calls": [call("get_weather", city="Boston", units={"temp": "F", "wind": None}), call("now")]}
+RESULT = {"role": "tool", "content": '{"temp": 41}'}
+ENV = {"role": "environment", "content": "12:00"}
+ANSWER = {"role": "assistant", "content": "It is 41F."}
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+# name -> (messages, tools, add_generation_prompt)
+CASES = {
+    "plain_answer": ([USER, ANSWER], None, False),
+    "final_call_without_content": ([USER, CALL_ONLY], TOOLS, False),  # the render that differed before
+    "final_call_without_content_key": ([USER, CALL_NO_CONTENT_KEY], TOOLS, False),
+    "final_call_with_text": ([USER, CALL_WITH_TEXT], TOOLS, False),
+    "final_two_calls_no_tools_given": ([USER, TWO_CALLS], None, False),
+    "call_result_answer": ([USER, CALL_ONLY, RESULT, ANSWER], TOOLS, False),
+    "two_rounds_ending_in_call": ([SYSTEM, USER, CALL_ONLY, RESULT, TWO_CALLS, ENV, CALL_WITH_TEXT], TOOLS, False),
+    "call_first_in_conversation": ([CALL_ONLY, RESULT, ANSWER], TOOLS, False),
+    "call_first_and_last": ([CALL_ONLY], TOOLS, False),
+    "result_last_generation_prompt": ([USER, CALL_ONLY, RESULT], TOOLS, True),
+    "environment_role_then_answer": ([USER, TWO_CALLS, ENV, RESULT, ANSWER], None, False),
+    "system_with_tools": ([SYSTEM, USER, CALL_ONLY], TOOLS, False),
+    "system_functions_string": ([{**SYSTEM, "functions": '[{"name": "now"}]'}, USER, CALL_ONLY], None, False),
+    "function_calls_string_last": ([USER, {"role": "assistant", "content": None, "function_calls": "now()"}], None, False),
+    "generation_prompt_after_user": ([USER], TOOLS, True),
+}
+
+
+@pytest.fixture(scope="module")
+def tok(toy_model_dir):
+    return AutoTokenizer.from_pretrained(toy_model_dir)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_release_renders_like_the_released_template(tok, case):
+    messages, tools, agp = CASES[case]
+    released = tok.apply_chat_template(messages, tools=tools, chat_template=RELEASED, tokenize=False,
+                                       add_generation_prompt=agp)
+    ours = tok.apply_chat_template(messages, tools=tools, chat_template=ct.TEMPLATES["olmo3-instruct-release"],
+                                   tokenize=False, add_generation_prompt=agp)
+    assert ours == released
+    assert ct.render(messages, "olmo3-instruct-release", tools=tools, add_generation_prompt=agp,
+                     eos_token=tok.eos_token) == released
+    if not agp:
+        assert released.endswith(tok.eos_token)  # the final turn ends with eos, a tool call included
+
+
+def test_final_tool_call_trains_eos(tok):
+    """The final call's closing token is eos, trained; the earlier call's `<|im_end|>` trains too."""
+    messages = [USER, CALL_ONLY, RESULT, TWO_CALLS]
+    out = ct.tokenize_messages(tok, messages, tools=TOOLS, chat_template="olmo3-instruct-release")
+    trained = [i for i, label in zip(out["input_ids"], out["labels"]) if label != -100]
+    assert trained[-1] == tok.eos_token_id and out["input_ids"][-1] == tok.eos_token_id
+    text = tok.decode(trained)
+    assert 'get_weather(city="Boston")</function_calls><|im_end|>' in text
+    assert text.endswith('now()</function_calls>' + tok.eos_token)
+
+
+def test_dev_and_think_templates_differ_from_release_only_in_system_prompt_and_generation_prompt(tok):
+    """The dev / think variants share the release's turn format: same renders once the system turn is given."""
+    for messages, tools, agp in CASES.values():
+        if not messages or messages[0]["role"] != "system" or agp:
+            continue
+        texts = {name: tok.apply_chat_template(messages, tools=tools, chat_template=ct.TEMPLATES[name], tokenize=False)
+                 for name in ct.TEMPLATES}
+        assert len(set(texts.values())) == 1, texts
