@@ -13,10 +13,11 @@ Verifiers (`VERIFIERS`, name -> plain function `(response, label) -> score or Ve
                   "$x^2$", "\\boxed{3}"), or a list of acceptable answers.
   gsm8k           last number of the response, thousands separators removed, numeric equality.
                   Label: a number ("1234", "#### 1,234").
-  ifeval          the 25 IFEval instruction types (Zhou et al. 2023), strict mode. Label in the
-                  dataset's form {"instruction_id_list": [...], "kwargs": [{...}, ...]} (also
-                  "instruction_id", or a one-element list of such dicts, as Olmo's RLVR data has
-                  it). Score = fraction of instructions followed.
+  ifeval          the 54 instruction types of open-instruct's IFEvalG (IFEval's 25, Zhou et al.
+                  2023, plus copy:*, count:*, first_word:*, ...), strict mode as its RL reward has
+                  it. Label {"instruction_id_list": [...], "kwargs": [{...}, ...]} (also
+                  "instruction_id"), as a dict, JSON, or open-instruct's ground_truth: a Python
+                  literal list whose first element is that dict. Score = fraction followed.
   code            the last fenced python block, run against a JSON list of assert statements.
   code_stdio      the same program run once per test of a JSON list of {"input", "output"}
                   (also {"inputs": [...], "outputs": [...]}); output compared token by token.
@@ -78,6 +79,7 @@ Usage
 """
 
 import argparse
+import ast
 import asyncio
 import collections
 import concurrent.futures
@@ -315,15 +317,24 @@ def gsm8k(response: str, label: Any) -> VerifierResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# ifeval: the 25 instruction types of google-research/instruction_following_eval, strict mode,
-# with their kwargs names. Regexes that were quadratic on hostile input (a leading \s* under
-# re.MULTILINE, \[.*?\] on a line of "[") are rewritten to count the same things in linear time.
+# ifeval: the 54 instruction types of open-instruct's IFEvalG (Google's 25 IFEval ones plus 29 of
+# its own), strict mode as its RL reward uses them, with their kwargs names. Behaviour follows that
+# reference, quirks included, so that rewards match it; the differences are:
+#   * no NLTK: sentences are split by `split_into_sentences` (no punkt download at run time) and
+#     words by `word_tokens`, a Penn-Treebank-style tokenizer written here;
+#   * a kwarg the reference draws at random when missing gets a fixed value from the same range
+#     (so the score is the reference's whenever the draw cannot change it), and a missing word to
+#     look for counts as absent from the response;
+#   * every check is linear in the response: the reference's patterns that were quadratic on hostile
+#     input (a leading \s* under re.MULTILINE, \[.*?\], <<[^\n]+>>, "first .*? last") are rewritten
+#     to count the same things.
 
 
 def split_into_sentences(text: str) -> list[str]:
     """IFEval's own regex sentence splitter (instructions_util.py); no NLTK download needed."""
     alphabets, prefixes, suffixes = "([A-Za-z])", "(Mr|St|Mrs|Ms|Dr)[.]", "(Inc|Ltd|Jr|Sr|Co)"
-    starters = r"(Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s|However\s|That\s|This\s|Wherever)"
+    starters = (r"(Mr|Mrs|Ms|Dr|Prof|Capt|Cpt|Lt|He\s|She\s|It\s|They\s|Their\s|Our\s|We\s|But\s|However\s|That\s"
+                r"|This\s|Wherever)")
     acronyms, websites, digits = "([A-Z][.][A-Z][.](?:[A-Z][.])?)", "[.](com|net|org|io|gov|edu|me)", "([0-9])"
     text = " " + text + "  "
     text = text.replace("\n", " ")
@@ -347,12 +358,89 @@ def split_into_sentences(text: str) -> list[str]:
     return sentences
 
 
-def _compare(count: int, relation: str, n: int) -> bool:
-    if relation == "less than":
-        return count < n
-    if relation == "at least":
-        return count >= n
-    raise ValueError(f"unknown relation {relation!r}")
+# Words that end in a period without ending a sentence (punkt's English abbreviations, the common ones).
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof inc ltd co corp vs etc e.g i.e u.s u.k a.m p.m no fig "
+                           "jan feb mar apr jun jul aug sep sept oct nov dec gen col lt sgt capt rev mt ft approx "
+                           "dept est".split())
+_CLOSERS = "])}>\"'\u201d\u2019\u00bb"
+_CONTRACTIONS = re.compile(r"(?i)\b(can)(not)\b|\b(gon|wan)(na)\b|\b(got)(ta)\b|\b(gim|lem)(me)\b")
+_CLITIC = re.compile(r"(?i)(?<=[^' ])('s|'m|'d|'ll|'re|'ve|n't|')(?= )")
+
+
+def _ends_sentence(word: str) -> bool:
+    core = word.rstrip(_CLOSERS)
+    if not core.endswith(".") or core.endswith(".."):
+        return False
+    stem = core[:-1].lstrip(_CLOSERS + "([{<\u201c\u2018`").lower()
+    return bool(stem) and stem not in _ABBREVIATIONS and not (len(stem) == 1 and stem.isalpha())
+
+
+def _split_final_period(sentence: str) -> str:
+    """A sentence's last period (before closing quotes/brackets) is a token of its own."""
+    s = sentence.rstrip()
+    core = s.rstrip(_CLOSERS)
+    if core.endswith(".") and len(core) > 1 and core[-2] != ".":
+        return core[:-1] + " . " + s[len(core):] + " "
+    return s + " "
+
+
+def _tokenize_sentence(sentence: str) -> list[str]:
+    s = re.sub(r'(?<=[ (\[{<])"', " `` ", " " + sentence)  # an opening double quote
+    s = _split_final_period(s)
+    s = re.sub("([\u00ab\u201c\u2018\u201e]|`+)", r" \1 ", s)
+    s = re.sub(r",(?!\d)|:(?!\d)|\.{2,}|--|[;@#$%&?!*\[\](){}<>]", lambda m: f" {m.group(0)} ", s)
+    s = re.sub("([\u00bb\u201d\u2019])", r" \1 ", s).replace('"', " '' ")
+    s = re.sub(r"(?i)'(?!re|ve|ll|m|t|s|d|n)(?=\w\b)", "' ", s)  # a quote before a one-letter word
+    s = _CLITIC.sub(r" \1", re.sub(r"\s+", " ", s))
+    s = _CONTRACTIONS.sub(lambda m: " ".join(g for g in m.groups() if g), s)
+    return s.split()
+
+
+def word_tokens(text: str) -> list[str]:
+    """Words as NLTK's word_tokenize gives them (Penn Treebank rules: punctuation, quotes and clitics such as
+    n't / 's are tokens, a sentence's final period is one, hyphenated words stay whole), without punkt."""
+    tokens, start = [], 0
+    for m in re.finditer(r"\S+", text):
+        if _ends_sentence(m.group(0)):
+            tokens += _tokenize_sentence(text[start:m.end()])
+            start = m.end()
+    return tokens + _tokenize_sentence(text[start:])
+
+
+def _label_regex(pattern: str, flags: int = 0, word: bool = False) -> re.Pattern:
+    """Keywords in labels are regexes in the reference (unescaped); one that does not compile is taken literally."""
+    wrap = (lambda p: r"\b" + p + r"\b") if word else (lambda p: p)
+    try:
+        return re.compile(wrap(pattern), flags)
+    except re.error:
+        return re.compile(wrap(re.escape(pattern)), flags)
+
+
+def _occurrences(text: str, keyword: str | None) -> int:
+    """Case-insensitive matches of a keyword; a missing keyword (drawn at random by the reference) is absent."""
+    return len(_label_regex(keyword.strip(), re.I).findall(text)) if keyword else 0
+
+
+def _count(value: Any, default: int) -> int:
+    """A count kwarg: missing or negative takes the default (the reference draws one from a range holding it)."""
+    return default if value is None or int(value) < 0 else int(value)
+
+
+def _truthy(value: Any, default: int) -> int:
+    """A count kwarg that the reference replaces when falsy (0 included)."""
+    return int(value) if value else default
+
+
+def _relation(relation: str | None) -> str:
+    if relation is None:
+        return "at least"  # the reference draws one of the two
+    if relation not in ("less than", "at least"):
+        raise ValueError(f"unknown relation {relation!r}")
+    return relation
+
+
+def _compare(count: int, relation: str | None, n: int) -> bool:
+    return count < n if _relation(relation) == "less than" else count >= n
 
 
 def _detect_language(text: str) -> str | None:
@@ -365,163 +453,556 @@ def _detect_language(text: str) -> str | None:
         return None  # IFEval counts an undetectable language as followed
 
 
-def _paragraphs_stars(text: str, num_paragraphs: int) -> bool:
+def _star_paragraph_count(text: str) -> int | None:
+    """Paragraphs between *** dividers; None when one in the middle is empty."""
     paragraphs = re.split(r"\s?\*\*\*\s?", text)
     count = len(paragraphs)
     for i, p in enumerate(paragraphs):
         if not p.strip():
-            if i in (0, len(paragraphs) - 1):
-                count -= 1
-            else:
-                return False
-    return count == int(num_paragraphs)
+            if i not in (0, len(paragraphs) - 1):
+                return None
+            count -= 1
+    return count
 
 
-def _nth_paragraph_first_word(text: str, num_paragraphs: int, nth_paragraph: int, first_word: str) -> bool:
-    paragraphs = re.split(r"\n\n", text)
+# --- Google's 25 IFEval instructions
+
+
+def keyword_existence(t: str, keywords: list[str] | None = None) -> bool:
+    """Every keyword occurs (case-insensitive, substring)."""
+    return bool(keywords) and all(_label_regex(k, re.I).search(t) for k in keywords)
+
+
+def keyword_frequency(t: str, keyword: str | None = None, frequency: int | None = None,
+                      relation: str | None = None) -> bool:
+    """The keyword occurs `relation` `frequency` times (case-insensitive, substring)."""
+    return _compare(_occurrences(t, keyword), relation, _count(frequency, 1))
+
+
+def forbidden_words(t: str, forbidden_words: list[str] | None = None) -> bool:
+    """None of the words occurs as a whole word (case-insensitive)."""
+    return not any(_label_regex(w, re.I, word=True).search(t) for w in forbidden_words or [])
+
+
+def letter_frequency(t: str, letter: str | None = None, let_frequency: int | None = None,
+                     let_relation: str | None = None) -> bool:
+    """The ASCII letter (either case) occurs `let_relation` `let_frequency` times."""
+    valid = bool(letter) and len(letter) == 1 and "a" <= letter.lower() <= "z"
+    count = t.lower().count(letter.lower()) if valid else 0  # an invalid letter is drawn at random: absent
+    return _compare(count, let_relation, _count(let_frequency, 1))
+
+
+def response_language(t: str, language: str | None = None) -> bool:
+    """langdetect names the language (an undetectable text passes)."""
+    return _detect_language(t) in (None, "en" if language is None else language)
+
+
+def number_sentences(t: str, num_sentences: int | None = None, relation: str | None = None) -> bool:
+    """Sentence count `relation` `num_sentences`."""
+    return _compare(len(split_into_sentences(t)), relation, _count(num_sentences, 1))
+
+
+def number_paragraphs(t: str, num_paragraphs: int | None = None) -> bool:
+    """Exactly `num_paragraphs` paragraphs between *** dividers, none empty."""
+    return _star_paragraph_count(t) == _count(num_paragraphs, 1)
+
+
+def number_words(t: str, num_words: int | None = None, relation: str | None = None) -> bool:
+    """Count of \\w+ runs `relation` `num_words`."""
+    return _compare(len(re.findall(r"\w+", t)), relation, _count(num_words, 100))
+
+
+def nth_paragraph_first_word(t: str, num_paragraphs: int | None = None, nth_paragraph: int | None = None,
+                             first_word: str | None = None) -> bool:
+    """`num_paragraphs` non-empty paragraphs split by blank lines, the nth starting with `first_word`."""
+    num = _count(num_paragraphs, 1)
+    nth = int(nth_paragraph) if nth_paragraph is not None else 0
+    if not 1 <= nth <= num or not first_word:
+        return False  # the reference draws these at random, possibly one past the last paragraph
+    paragraphs = t.split("\n\n")
     count = sum(1 for p in paragraphs if p.strip())
-    nth = int(nth_paragraph)
-    if not 1 <= nth <= count or nth > len(paragraphs):
+    if nth > count or not paragraphs[nth - 1].strip():
         return False
-    paragraph = paragraphs[nth - 1].strip()
-    if not paragraph:
-        return False
-    word = paragraph.split()[0].strip().lstrip("'").lstrip('"')
-    got = ""
-    for ch in word:
-        if ch in {".", ",", "?", "!", "'", '"'}:
-            break
-        got += ch.lower()
-    return count == int(num_paragraphs) and got == first_word.lower()
+    word = paragraphs[nth - 1].split()[0].lstrip("'").lstrip('"')
+    got = re.match(r"[^.,?!'\"]*", word).group(0).lower()
+    return count == num and got == first_word.lower()
 
 
-def _postscript(text: str, postscript_marker: str) -> bool:
-    text = text.lower()
-    if postscript_marker == "P.P.S":
-        pattern = r"p\.\s?p\.\s?s"
-    elif postscript_marker == "P.S.":
-        pattern = r"p\.\s?s\."
-    else:
-        pattern = re.escape(postscript_marker.lower())
-    return re.search(pattern, text, flags=re.MULTILINE) is not None
+def number_placeholders(t: str, num_placeholders: int | None = None) -> bool:
+    """At least `num_placeholders` [bracketed] spans on one line."""
+    # Counts what \[.*?\] finds: each ']' whose nearest bracket before it on its line is '['.
+    return len(re.findall(r"\[[^\[\]\n]*\]", t)) >= _count(num_placeholders, 1)
 
 
-def _highlights(text: str, num_highlights: int) -> bool:
-    count = sum(1 for h in re.findall(r"\*[^\n\*]*\*", text) if h.strip("*").strip())
-    count += sum(1 for h in re.findall(r"\*\*[^\n\*]*\*\*", text) if h[2:-2].strip())
-    return count >= int(num_highlights)
+def postscript(t: str, postscript_marker: str | None = None) -> bool:
+    """The marker occurs (case-insensitive; P.S. / P.P.S allow a space after each period)."""
+    marker = ("P.S." if postscript_marker is None else postscript_marker).strip()
+    patterns = {"P.P.S": r"p\.\s?p\.\s?s", "P.S.": r"p\.\s?s\."}
+    pattern = re.compile(patterns[marker]) if marker in patterns else _label_regex(marker.lower())
+    return pattern.search(t.lower()) is not None
 
 
-def _json_format(text: str) -> bool:
-    text = text.strip()
-    for prefix in ("```json", "```Json", "```JSON", "```"):
-        text = text.removeprefix(prefix)
+def number_bullet_lists(t: str, num_bullets: int | None = None) -> bool:
+    """Exactly `num_bullets` lines starting with '* ' or '-' (markdown bullets)."""
+    # [^\S\n]* in place of \s*: the same lines, without the quadratic scan of blank lines.
+    stars = re.findall(r"^[^\S\n]*\*[^\*].*$", t, re.M)
+    return len(stars) + len(re.findall(r"^[^\S\n]*-.*$", t, re.M)) == _count(num_bullets, 1)
+
+
+def constrained_response(t: str) -> bool:
+    """Contains 'My answer is yes.', '... no.' or '... maybe.'."""
+    return any(o in t for o in ("My answer is yes.", "My answer is no.", "My answer is maybe."))
+
+
+def number_highlighted_sections(t: str, num_highlights: int | None = None) -> bool:
+    """At least `num_highlights` non-empty *single* or **double** starred spans on one line."""
+    count = sum(1 for h in re.findall(r"\*[^\n\*]*\*", t) if h.strip("*").strip())
+    count += sum(1 for h in re.findall(r"\*\*[^\n\*]*\*\*", t) if h[2:-2].strip())
+    return count >= _count(num_highlights, 1)
+
+
+def multiple_sections(t: str, section_spliter: str | None = None, num_sections: int | None = None) -> bool:
+    """At least `num_sections` '<spliter> <number>' headers (case-sensitive)."""
+    spliter = ("Section" if section_spliter is None else section_spliter).strip()
     try:
-        json.loads(text.removesuffix("```").strip())
+        pattern = re.compile(r"\s?" + spliter + r"\s?\d+\s?")
+    except re.error:
+        pattern = re.compile(r"\s?" + re.escape(spliter) + r"\s?\d+\s?")
+    return len(pattern.split(t)) - 1 >= _count(num_sections, 1)
+
+
+def json_format(t: str) -> bool:
+    """The whole response, less a ``` / ```json fence, parses as JSON."""
+    t = t.strip()
+    for prefix in ("```json", "```Json", "```JSON", "```"):
+        t = t.removeprefix(prefix)
+    try:
+        json.loads(t.removesuffix("```").strip())
         return True
     except (ValueError, RecursionError):
         return False
 
 
-def _two_responses(text: str) -> bool:
-    parts = text.split("******")
+def title(t: str) -> bool:
+    """A line holds a <<title>> with something in it."""
+    # Same answer as any(m.strip("<>") for m in findall("<<[^\n]+>>")), which is quadratic on a line of '<':
+    # per line the one candidate runs from the first '<<' to the last '>>'.
+    for line in t.split("\n"):
+        start, end = line.find("<<"), line.rfind(">>")
+        if start >= 0 and end >= start + 3 and line[start:end + 2].lstrip("<").rstrip(">").strip():
+            return True
+    return False
+
+
+def two_responses(t: str) -> bool:
+    """Two different non-empty responses separated by ******."""
+    parts = t.split("******")
     valid = []
     for i, part in enumerate(parts):
-        if not part.strip():
+        if part.strip():
+            valid.append(part.strip())
+        elif i not in (0, len(parts) - 1):
+            return False
+    return len(valid) == 2 and valid[0] != valid[1]
+
+
+def _prompt(prompt_to_repeat: str | None) -> str:
+    if not prompt_to_repeat:
+        raise ValueError("prompt_to_repeat must be set")
+    return prompt_to_repeat.strip().lower()
+
+
+def repeat_prompt(t: str, prompt_to_repeat: str | None = None) -> bool:
+    """Starts with the prompt (case-insensitive)."""
+    return t.strip().lower().startswith(_prompt(prompt_to_repeat))
+
+
+def end_checker(t: str, end_phrase: str | None = None) -> bool:
+    """Ends with the phrase (case-insensitive, outer quotes ignored)."""
+    phrase = "Any other questions?" if end_phrase is None else end_phrase
+    return t.strip().strip('"').lower().endswith(phrase.strip().lower())
+
+
+def capital_word_frequency(t: str, capital_frequency: int | None = None, capital_relation: str | None = None) -> bool:
+    """Count of all-capital words `capital_relation` `capital_frequency`."""
+    n = 1 if capital_frequency is None else int(capital_frequency)  # no check for negatives here
+    return _compare(sum(1 for w in word_tokens(t) if w.isupper()), capital_relation, n)
+
+
+def english_capital(t: str) -> bool:
+    """All capitals, and English (or undetectable)."""
+    return t.isupper() and _detect_language(t) in (None, "en")
+
+
+def english_lowercase(t: str) -> bool:
+    """All lowercase, and English (or undetectable)."""
+    return t.islower() and _detect_language(t) in (None, "en")
+
+
+def no_comma(t: str) -> bool:
+    """No ','."""
+    return "," not in t
+
+
+def quotation(t: str) -> bool:
+    """Wrapped in double quotes."""
+    t = t.strip()
+    return len(t) > 1 and t[0] == '"' and t[-1] == '"'
+
+
+# --- open-instruct's 29 further instructions
+
+
+def _find_phrases(t: str, first: str, last: str) -> list[str]:
+    """What re.findall(f"{first} .*? {last}", t) returns, in linear time for plain words."""
+    if re.search(r"[.^$*+?{}\[\]\\|()]", first + last):
+        return re.findall(rf"{first} .*? {last}", t)
+    found = []
+    for line in t.split("\n"):  # '.' does not cross a newline
+        pos = 0
+        while (i := line.find(first + " ", pos)) >= 0:
+            j = line.find(" " + last, i + len(first) + 1)
+            if j < 0:
+                break  # no later start can find one either
+            pos = j + 1 + len(last)
+            found.append(line[i:pos])
+    return found
+
+
+def repeat_phrase(t: str, phrase: str | None = None, small_n: int | None = None) -> bool:
+    """The phrase (from its first word to its last) appears `small_n` times, each of the same length with at most
+    one word changed, and the last one with exactly one changed."""
+    if not phrase or not phrase.split():
+        return False  # drawn at random by the reference: taken as absent
+    ref = phrase.strip().split()
+    found = _find_phrases(t, ref[0], ref[-1])
+    if len(found) != _truthy(small_n, 2):
+        return False
+    differences = 0
+    for words in (f.split() for f in found):
+        if len(words) != len(ref):
+            return False
+        differences = sum(a != b for a, b in zip(words, ref))
+        if differences > 1:
+            return False
+    return differences == 1
+
+
+def copy_prompt(t: str, prompt_to_repeat: str | None = None) -> bool:
+    """The response is the prompt (case-insensitive, outer whitespace ignored)."""
+    return t.strip().lower() == _prompt(prompt_to_repeat)
+
+
+def copy_span_idx(t: str, prompt_to_repeat: str | None = None, n_start: int | None = None,
+                  n_end: int | None = None) -> bool:
+    """The response is prompt[n_start:n_end] (case-insensitive, outer whitespace ignored)."""
+    _prompt(prompt_to_repeat)
+    start = _truthy(n_start, 0)
+    end = _truthy(n_end, len(prompt_to_repeat) - 1)
+    return t.strip().lower() == prompt_to_repeat[start:end].strip().lower()
+
+
+def sentence_hyphens(t: str) -> bool:
+    """Sentences are joined by '-' with no spaces around them."""
+    gold = split_into_sentences(t.replace("-", " "))
+    return all(s.strip() == s and s == g for s, g in zip(t.split("-"), gold))
+
+
+def no_adjacent_consecutive(t: str) -> bool:
+    """No two adjacent words start with consecutive letters (by code point, case-insensitive)."""
+    words = t.split()
+    for a, b in zip(words, words[1:]):
+        first, second = a[0].lower(), b[0].lower()
+        if len(first) != 1 or len(second) != 1 or ord(second) - ord(first) == 1:
+            return False
+    return True
+
+
+def square_brackets(t: str) -> bool:
+    """Every whitespace-separated word is [wrapped]."""
+    return all(w.startswith("[") and w.endswith("]") for w in t.split())
+
+
+def word_once(t: str, keyword: str | None = None) -> bool:
+    """The keyword occurs exactly once (case-insensitive, substring)."""
+    return _occurrences(t, keyword) == 1
+
+
+def exclude_word_harder(t: str, keyword: str | None = None) -> bool:
+    """The keyword never occurs between two spaces (case-sensitive)."""
+    if not keyword:
+        raise ValueError("keyword must be set")  # the reference would draw it from the prompt it is not given
+    return " " + keyword.strip() + " " not in t
+
+
+def paragraphs_stars(t: str) -> bool:
+    """Exactly 2 paragraphs between *** dividers."""
+    return _star_paragraph_count(t) == 2
+
+
+def paragraphs_blank_lines(t: str) -> bool:
+    """Exactly 2 paragraphs separated by a blank line, none empty in the middle."""
+    parts = t.split("\n\n")
+    count = len(parts)
+    for i, p in enumerate(parts):
+        if not p.strip():
             if i not in (0, len(parts) - 1):
                 return False
-        else:
-            valid.append(part)
-    return len(valid) == 2 and valid[0].strip() != valid[1].strip()
+            count -= 1
+    return count == 2
+
+
+def _one_word(word: Any) -> str | None:
+    """first_word / last_word / keyword kwargs may come as a list: the reference takes its first item."""
+    if not word:
+        return None
+    return (word if isinstance(word, str) else word[0]).strip()
+
+
+def first_word_sent(t: str, first_word: str | list | None = None) -> bool:
+    """Every sentence starts with the word (case-insensitive)."""
+    word = _one_word(first_word)
+    for sentence in split_into_sentences(t):
+        if not sentence.strip() or word is None or sentence.split()[0].lower() != word.lower():
+            return False
+    return True
+
+
+def first_word_answer(t: str, first_word: str | None = None) -> bool:
+    """The response starts with the word (case-insensitive, punctuation included)."""
+    return bool(first_word) and bool(t.split()) and t.split()[0].lower() == first_word.strip().lower()
+
+
+def _bare(word: str) -> str:
+    return re.sub(r"[^\w\s]", "", word).lower()
+
+
+def last_word_sent(t: str, last_word: str | list | None = None) -> bool:
+    """Every sentence ends with the word, punctuation removed (case-insensitive)."""
+    word = _one_word(last_word)
+    for sentence in split_into_sentences(t):
+        if not sentence.strip() or word is None or _bare(sentence.split()[-1]) != word.lower():
+            return False
+    return True
+
+
+def last_word_answer(t: str, last_word: str | None = None) -> bool:
+    """The response ends with the word, punctuation removed (case-insensitive)."""
+    return bool(last_word) and _bare(t.split()[-1]) == last_word.strip().lower()
+
+
+def bigram_wrapping(t: str) -> bool:
+    """Words come in pairs <<like this>> (a final odd word is not checked)."""
+    words = t.split()
+    return all(words[i].startswith("<<") and words[i + 1].endswith(">>") for i in range(0, len(words) - 1, 2))
+
+
+def copying_multiple(t: str, prompt_to_repeat: str | None = None, N: int | None = None) -> bool:
+    """The prompt N times separated by ****** and nothing else (case-insensitive)."""
+    prompt = _prompt(prompt_to_repeat)
+    parts = t.split("******")
+    return len(parts) == _truthy(N, 2) and all(p.strip().lower() == prompt for p in parts)
+
+
+def punctuation_dot(t: str) -> bool:
+    """No '.'."""
+    return "." not in t
+
+
+def punctuation_exclamation(t: str) -> bool:
+    """No '!'."""
+    return "!" not in t
+
+
+def lowercase_counting(t: str, N: int | None = None) -> bool:
+    """At most N all-lowercase ASCII words."""
+    return len(re.findall(r"\b[a-z]+\b", t)) <= _truthy(N, 2)
+
+
+def letter_counting(t: str, N: int | None = None, relation: str | None = None) -> bool:
+    """Count of ASCII letters `relation` N (any other relation is never followed)."""
+    count, n = len(re.findall(r"[a-zA-Z]", t)), _truthy(N, 2)
+    relation = relation or "at least"
+    return count >= n if relation == "at least" else count < n if relation == "less than" else False
+
+
+def counting_composition(t: str, n_sent: int | None = None, n_words: int | None = None) -> bool:
+    """3 paragraphs between *** dividers, each of n_sent sentences of n_words words (tokens)."""
+    n_sent, n_words = _truthy(n_sent, 2), _truthy(n_words, 2)
+    paragraphs = re.split(r"\s?\*\*\*\s?", t)
+    count = len(paragraphs)
+    for i, p in enumerate(paragraphs):
+        if not p.strip():
+            if i not in (0, len(paragraphs) - 1):
+                return False
+            count -= 1  # and still checked below: an empty end paragraph has no sentences, so fails
+        sentences = split_into_sentences(p)
+        if len(sentences) != n_sent or any(len(word_tokens(s)) != n_words for s in sentences):
+            return False
+    return count == 3
+
+
+def count_unique(t: str) -> bool:
+    """No token repeats (case-sensitive, punctuation tokens included)."""
+    words = word_tokens(t)
+    return len(words) == len(set(words))
+
+
+def count_increment_word(t: str, keyword1: str | None = None, keyword2: str | None = None) -> bool:
+    """keyword1 occurs once and keyword2 twice (case-insensitive, substring)."""
+    if not keyword1 or not keyword2:
+        raise ValueError("keyword1 and keyword2 must be set")  # the reference fails on its own default here
+    return _occurrences(t, keyword1) == 1 and _occurrences(t, keyword2) == 2
+
+
+def palindrome(t: str) -> bool:
+    """Some whitespace-separated word reads the same reversed (one character counts)."""
+    return any(w == w[::-1] for w in t.split())
+
+
+def keyword_specific_position(t: str, keyword: str | list | None = None, n: int | None = None,
+                              m: int | None = None) -> bool:
+    """The m-th token of the n-th sentence is the keyword (case-sensitive)."""
+    keyword, n, m = _one_word(keyword), _truthy(n, 1), _truthy(m, 1)
+    sentences = split_into_sentences(t)
+    if keyword is None or len(sentences) < n:
+        return False
+    words = word_tokens(sentences[n - 1])
+    return len(words) >= m and words[m - 1] == keyword
+
+
+def start_end(t: str) -> bool:
+    """The first and last tokens are the same word (case-insensitive; a final '.' is a token)."""
+    words = word_tokens(t)
+    return len(words) >= 2 and words[0].lower() == words[-1].lower()
 
 
 IFEVAL_CHECKS: dict[str, Callable[..., bool]] = {
-    "keywords:existence": lambda t, keywords: all(re.search(re.escape(k), t, re.I) for k in keywords),
-    "keywords:frequency": lambda t, keyword, frequency, relation: _compare(
-        len(re.findall(re.escape(keyword), t, re.I)), relation, int(frequency)),
-    "keywords:forbidden_words": lambda t, forbidden_words: not any(
-        re.search(r"\b" + re.escape(w) + r"\b", t, re.I) for w in forbidden_words),
-    "keywords:letter_frequency": lambda t, letter, let_frequency, let_relation: _compare(
-        collections.Counter(t.lower())[letter.lower()], let_relation, int(let_frequency)),
-    "language:response_language": lambda t, language: _detect_language(t) in (None, language),
-    "length_constraints:number_sentences": lambda t, num_sentences, relation: _compare(
-        len(split_into_sentences(t)), relation, int(num_sentences)),
-    "length_constraints:number_paragraphs": _paragraphs_stars,
-    "length_constraints:number_words": lambda t, num_words, relation: _compare(
-        len(re.findall(r"\w+", t)), relation, int(num_words)),
-    "length_constraints:nth_paragraph_first_word": _nth_paragraph_first_word,
-    "detectable_content:number_placeholders": lambda t, num_placeholders: len(
-        re.findall(r"\[[^\[\]\n]*\]", t)) >= int(num_placeholders),
-    "detectable_content:postscript": _postscript,
-    "detectable_format:number_bullet_lists": lambda t, num_bullets: len(
-        re.findall(r"^[^\S\n]*\*[^\*].*$", t, re.M)) + len(re.findall(r"^[^\S\n]*-.*$", t, re.M)) == int(num_bullets),
-    "detectable_format:constrained_response": lambda t: any(
-        o in t.strip() for o in ("My answer is yes.", "My answer is no.", "My answer is maybe.")),
-    "detectable_format:number_highlighted_sections": _highlights,
-    "detectable_format:multiple_sections": lambda t, section_spliter, num_sections: len(
-        re.split(r"\s?" + re.escape(section_spliter) + r"\s?\d+\s?", t)) - 1 >= int(num_sections),
-    "detectable_format:json_format": _json_format,
-    "detectable_format:title": lambda t: any(m.lstrip("<").rstrip(">").strip() for m in re.findall(r"<<[^\n]+>>", t)),
-    "combination:two_responses": _two_responses,
-    "combination:repeat_prompt": lambda t, prompt_to_repeat: t.strip().lower().startswith(prompt_to_repeat.strip().lower()),
-    "startend:end_checker": lambda t, end_phrase: t.strip().strip('"').lower().endswith(end_phrase.strip().lower()),
-    "change_case:capital_word_frequency": lambda t, capital_frequency, capital_relation: _compare(
-        sum(1 for w in re.findall(r"\b\w+\b", t) if w.isupper()), capital_relation, int(capital_frequency)),
-    "change_case:english_capital": lambda t: t.isupper() and _detect_language(t) in (None, "en"),
-    "change_case:english_lowercase": lambda t: t.islower() and _detect_language(t) in (None, "en"),
-    "punctuation:no_comma": lambda t: "," not in t,
-    "startend:quotation": lambda t: len(t.strip()) > 1 and t.strip()[0] == '"' and t.strip()[-1] == '"',
+    "keywords:existence": keyword_existence,
+    "keywords:frequency": keyword_frequency,
+    "keywords:forbidden_words": forbidden_words,
+    "keywords:letter_frequency": letter_frequency,
+    "language:response_language": response_language,
+    "length_constraints:number_sentences": number_sentences,
+    "length_constraints:number_paragraphs": number_paragraphs,
+    "length_constraints:number_words": number_words,
+    "length_constraints:nth_paragraph_first_word": nth_paragraph_first_word,
+    "detectable_content:number_placeholders": number_placeholders,
+    "detectable_content:postscript": postscript,
+    "detectable_format:number_bullet_lists": number_bullet_lists,
+    "detectable_format:constrained_response": constrained_response,
+    "detectable_format:number_highlighted_sections": number_highlighted_sections,
+    "detectable_format:multiple_sections": multiple_sections,
+    "detectable_format:json_format": json_format,
+    "detectable_format:title": title,
+    "combination:two_responses": two_responses,
+    "combination:repeat_prompt": repeat_prompt,
+    "startend:end_checker": end_checker,
+    "change_case:capital_word_frequency": capital_word_frequency,
+    "change_case:english_capital": english_capital,
+    "change_case:english_lowercase": english_lowercase,
+    "punctuation:no_comma": no_comma,
+    "startend:quotation": quotation,
+    "copy:repeat_phrase": repeat_phrase,
+    "copy:copy": copy_prompt,
+    "new:copy_span_idx": copy_span_idx,
+    "detectable_format:sentence_hyphens": sentence_hyphens,
+    "keywords:no_adjacent_consecutive": no_adjacent_consecutive,
+    "detectable_format:square_brackets": square_brackets,
+    "keywords:word_once": word_once,
+    "keywords:word_count_different_numbers": keyword_frequency,
+    "keywords:exclude_word_harder": exclude_word_harder,
+    "paragraphs:paragraphs": paragraphs_stars,
+    "paragraphs:paragraphs2": paragraphs_blank_lines,
+    "first_word:first_word_sent": first_word_sent,
+    "first_word:first_word_answer": first_word_answer,
+    "last_word:last_word_sent": last_word_sent,
+    "last_word:last_word_answer": last_word_answer,
+    "detectable_format:bigram_wrapping": bigram_wrapping,
+    "copy:copying_simple": copy_prompt,
+    "copy:copying_multiple": copying_multiple,
+    "punctuation:punctuation_dot": punctuation_dot,
+    "punctuation:punctuation_exclamation": punctuation_exclamation,
+    "count:lowercase_counting": lowercase_counting,
+    "letters:letter_counting": letter_counting,
+    "letters:letter_counting2": letter_frequency,
+    "count:counting_composition": counting_composition,
+    "count:count_unique": count_unique,
+    "count:count_increment_word": count_increment_word,
+    "keywords:palindrome": palindrome,
+    "keywords:keyword_specific_position": keyword_specific_position,
+    "keywords:start_end": start_end,
 }
 
 
+def _parse_literal(label: Any) -> Any:
+    """A label string is JSON or, as open-instruct's ground_truth is, a Python literal (single quotes, None)."""
+    if not isinstance(label, str):
+        return label
+    try:
+        return json.loads(label)
+    except ValueError:
+        pass
+    try:
+        return ast.literal_eval(label.strip())
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ValueError("label is neither JSON nor a Python literal") from e
+
+
 def _ifeval_instructions(label: Any) -> list[tuple[str, dict]]:
-    label = _maybe_json(label)
-    if isinstance(label, list):  # Olmo's RLVR rows wrap the dict in a list
-        items = [_maybe_json(x) for x in label]
-    else:
-        items = [label]
-    out = []
-    for item in items:
-        if not isinstance(item, dict):
-            raise ValueError("label is not an IFEval dict")
-        ids = item.get("instruction_id_list", item.get("instruction_id"))
-        ids = [ids] if isinstance(ids, str) else list(ids or [])
-        kwargs = item.get("kwargs") or [{}] * len(ids)
-        kwargs = [_maybe_json(k) for k in (kwargs if isinstance(kwargs, list) else [kwargs])]
-        if len(kwargs) != len(ids):
-            raise ValueError("instruction_id_list and kwargs differ in length")
-        # The HF dataset fills every kwargs dict with all keys, None where unused.
-        out += [(i, {k: v for k, v in (kw or {}).items() if v is not None}) for i, kw in zip(ids, kwargs)]
-    if not out:
+    item = _parse_literal(label)
+    if isinstance(item, (list, tuple)):  # Olmo's RLVR rows: a list whose first element is the dict
+        if not item:
+            raise ValueError("empty label")
+        item = _parse_literal(item[0])
+    if not isinstance(item, dict):
+        raise ValueError("label is not an IFEval dict")
+    ids = item.get("instruction_id_list", item.get("instruction_id"))
+    ids = [ids] if isinstance(ids, str) else list(ids or [])
+    kwargs = item.get("kwargs") or [{}] * len(ids)
+    kwargs = [_parse_literal(k) for k in (kwargs if isinstance(kwargs, list) else [kwargs])]
+    if len(kwargs) != len(ids):
+        raise ValueError("instruction_id_list and kwargs differ in length")
+    if not ids:
         raise ValueError("no instructions")
-    return out
+    # The HF dataset fills every kwargs dict with all keys, None where unused.
+    return [(i, {k: v for k, v in (kw or {}).items() if v is not None}) for i, kw in zip(ids, kwargs)]
+
+
+def _answer_text(response: str) -> str:
+    """The part that is checked: no <think> section, no <answer> tags, as open-instruct's reward has it."""
+    text = strip_think(response).replace("<|assistant|>", "")
+    return text.replace("<answer>", "").replace("</answer>", "").strip()
 
 
 def ifeval(response: str, label: Any) -> VerifierResult:
-    """Fraction of IFEval instructions followed (strict), after removing <think>.
+    """Fraction of IFEval / IFEvalG instructions followed (strict), after removing <think>.
 
     >>> ifeval("hello world", {"instruction_id_list": ["punctuation:no_comma", "change_case:english_capital"],
     ...                        "kwargs": [{}, {}]}).score
+    0.5
+    >>> ifeval("One. Two.", "[{'instruction_id': ['length_constraints:number_sentences', 'punctuation:no_comma'], "
+    ...        "'kwargs': [{'num_sentences': 3, 'relation': 'at least'}, None]}]").score
     0.5
     """
     try:
         instructions = _ifeval_instructions(label)
     except (ValueError, TypeError, AttributeError) as e:
         return _fail("bad_label", message=str(e)[:200])
-    text = strip_think(response)
+    text = _answer_text(response)
     if not text:
         return _fail("no_answer")  # an empty reply would "follow" no_comma, forbidden_words, ...
-    followed = {}
+    followed = []
     for inst_id, kwargs in instructions:
-        check = IFEVAL_CHECKS.get(inst_id)
+        check = IFEVAL_CHECKS.get(inst_id) if isinstance(inst_id, str) else None
         if check is None:
             return _fail("bad_label", message=f"unknown instruction {inst_id}")
         try:
-            followed[inst_id] = bool(check(text, **kwargs))
-        except (TypeError, ValueError, KeyError, AttributeError) as e:  # missing / malformed kwargs
+            followed.append(bool(check(text, **kwargs)))
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, re.error) as e:  # malformed kwargs
             return _fail("bad_label", message=f"{inst_id}: {e}"[:200])
-    score = sum(followed.values()) / len(instructions)
-    return VerifierResult(score, None, None, details={"followed": followed})
+    details = {"followed": dict(zip((i for i, _ in instructions), followed))}
+    return VerifierResult(sum(followed) / len(followed), None, None, details=details)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,12 +1088,22 @@ def up_to_max_length(response: str, label: Any, num_tokens: int | None = None) -
 # ---------------------------------------------------------------------------------------------
 # code: a sandboxed subprocess per run (see the module docstring)
 
-_SANDBOX: dict = {}  # {"mode": "namespace" | "prlimit" | "rlimit"}, probed once per process
+_SANDBOX: dict = {}  # {"mode": "namespace" | "userns" | "none", "cgroup": {kind: base dir}}, probed once
 _SANDBOX_LOCK = threading.Lock()
 _UID_LOCK = threading.Lock()
 _UID_SLOTS: dict[int, queue.Queue] = {}  # pid -> free sandbox uids
 _FSIZE = 16 << 20  # bytes a program may write to one file (its stdout included)
-_NPROC = 64  # processes + threads of the sandbox uid
+_NPROC = 64  # processes + threads of one sandbox whose memory a cgroup bounds together
+_NPROC_NO_CGROUP = 4  # without a cgroup each process may use 1/4 of the budget, so that 4 fill it
+_TMP_MB, _SHM_MB = 64, 16  # its /tmp (the work directory) and /dev/shm: tmpfs, part of the memory budget
+_RUN_PREFIX = "verifiers_run_"  # host work dirs and cgroups: <prefix><pid>_..., removed once pid is gone
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_MODES = {
+    "namespace": "pid, net, mount and ipc namespaces, a read-only root, a spare unprivileged uid (as root)",
+    "userns": "an unprivileged user namespace (uid 65534 inside) with pid, net, mount and ipc namespaces, "
+              "a read-only root",
+    "none": "NO ISOLATION (no usable namespaces here): code verifiers refuse to run unless allow_unsandboxed_code",
+}
 
 
 def extract_code(response: str) -> str | None:
@@ -625,42 +1116,122 @@ def extract_code(response: str) -> str | None:
     return bare[-1] if bare else None
 
 
-def _blocked_ancestor(path: str) -> tuple[str, str] | None:
-    """(A, C) when directory A on the way to `path` is closed to others (e.g. /root, mode 700)
-    and C is the next component under it; the sandbox bind-mounts around it."""
-    parts = os.path.realpath(path).split(os.sep)
-    for i in range(2, len(parts)):
-        ancestor = os.sep.join(parts[:i]) or os.sep
-        if not os.stat(ancestor).st_mode & 0o001:
-            return ancestor, parts[i]
-    return None
+# Run by the sandbox's interpreter inside the new namespaces, as (namespace) root: builds a root of
+# read-only binds (system dirs, the interpreter's prefixes), a tmpfs /tmp holding the run's files,
+# a minimal /dev and the namespace's own /proc; then chroot, drop to the unprivileged id, limits, exec.
+_SETUP = r"""
+import ctypes, json, os, resource, sys
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND = 1, 2, 4, 8, 32, 4096
+KEEP = ((os.ST_NODEV, NODEV), (os.ST_NOEXEC, NOEXEC), (1024, 1024), (2048, 2048), (4096, 1 << 21))  # + atime
 
 
-def _namespace_script(workdir: str, uid: int, limits: list[str], argv: list[str]) -> str:
-    """Shell run inside new mount/pid/net namespaces: make the interpreter reachable for the
-    unprivileged uid, give it a private /tmp (= workdir) and /dev/shm, drop to the uid, exec."""
-    lines = ["set -e"]
-    blocked = {b for p in (sys.prefix, sys.base_prefix, sys.executable) if (b := _blocked_ancestor(p))}
-    for ancestor, child in sorted(blocked):
-        stage = os.path.join(tempfile.gettempdir(), f"verifiers_stage{ancestor.replace(os.sep, '_')}")
-        os.makedirs(os.path.join(stage, child), exist_ok=True)
-        os.chmod(stage, 0o755)
-        lines += [f"mount --rbind {shlex.quote(os.path.join(ancestor, child))} {shlex.quote(os.path.join(stage, child))}",
-                  f"mount --rbind {shlex.quote(stage)} {shlex.quote(ancestor)}"]
-    lines += [f"mount --bind {shlex.quote(workdir)} /tmp", "mount -t tmpfs -o size=16m,mode=1777 tmpfs /dev/shm", "cd /tmp",
-              "exec prlimit " + " ".join(limits) + f" setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs "
-              + " ".join(shlex.quote(a) for a in _reachable_interpreter(argv))]
-    return "\n".join(lines)
+def mount(src, dst, fstype=None, flags=0, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    if libc.mount(enc(src), enc(dst), enc(fstype), flags, enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {src} on {dst}: {os.strerror(err)}")
 
 
-def _reachable_interpreter(argv: list[str]) -> list[str]:
-    """Inside the namespace /tmp is the run's own directory, so an interpreter that lives under the
-    temp dir (a checkout or virtualenv in /tmp) would vanish: run its real base interpreter instead
-    (the standard library only; the virtualenv's packages are not reachable from there)."""
-    tmp = os.path.realpath(tempfile.gettempdir()) + os.sep
-    if argv and argv[0] == sys.executable and (sys.executable.startswith(tmp) or sys.prefix.startswith(tmp)):
-        return [os.path.realpath(sys.executable), *argv[1:]]
-    return argv
+def bind(src, dst, writable=False):
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    mount(src, dst, flags=BIND)
+    # A user namespace may add read-only and nosuid but must keep what the host set (nodev, noexec, atime).
+    kept = sum(ms for st, ms in KEEP if os.statvfs(dst).f_flag & st)
+    mount(None, dst, flags=REMOUNT | BIND | NOSUID | kept | (0 if writable else RDONLY))
+
+
+def tmpfs(dst, size_mb, mode="1777"):
+    os.makedirs(dst, exist_ok=True)
+    mount("tmpfs", dst, "tmpfs", NOSUID | NODEV, f"size={size_mb}m,mode={mode}")
+
+
+def reachable(root, path):
+    # the path as the trainer names it (a symlinked venv) resolves inside too: link its first missing part
+    parts, cur = path.strip("/").split("/"), ""
+    for part in parts:
+        cur += "/" + part
+        if not os.path.lexists(root + cur):
+            os.symlink(os.path.realpath(cur), root + cur)
+            return
+
+
+root, uid = cfg["root"], cfg["uid"]
+tmpfs(root, 1, "755")
+tmpfs(root + "/tmp", cfg["tmp_mb"])
+for name in os.listdir(cfg["files"]):
+    with open(os.path.join(cfg["files"], name), "rb") as src, open(f"{root}/tmp/{name}", "wb") as dst:
+        dst.write(src.read())
+    if not cfg["userns"]:
+        os.chown(f"{root}/tmp/{name}", uid, uid)
+for link, target in cfg["links"]:
+    os.symlink(target, root + link)
+for path in cfg["binds"]:
+    bind(path, root + path)
+for path in cfg["paths"]:
+    reachable(root, path)
+tmpfs(root + "/dev", 1, "755")
+for dev in ("null", "zero", "full", "random", "urandom"):
+    bind("/dev/" + dev, f"{root}/dev/{dev}", writable=True)
+for i, name in enumerate(("stdin", "stdout", "stderr")):
+    os.symlink(f"/proc/self/fd/{i}", f"{root}/dev/{name}")
+os.symlink("/proc/self/fd", root + "/dev/fd")
+tmpfs(root + "/dev/shm", cfg["shm_mb"])
+os.makedirs(root + "/proc")
+try:  # refused where the host's /proc is partly hidden (some containers): then there is no /proc at all
+    mount("proc", root + "/proc", "proc", NOSUID | NODEV | NOEXEC)
+except OSError:
+    pass
+mount(None, root + "/dev", flags=REMOUNT | RDONLY | NOSUID | NODEV)
+mount(None, root, flags=REMOUNT | RDONLY | NOSUID | NODEV)
+if cfg["userns"]:  # a nested user namespace maps us to uid 65534; made before chroot (the kernel refuses after)
+    if libc.unshare(0x10000000) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} 0 1"), ("gid_map", f"{uid} 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+os.chroot(root)
+os.chdir("/tmp")
+for name, soft, hard in cfg["rlimits"]:
+    resource.setrlimit(getattr(resource, name), (soft, hard))
+if not cfg["userns"]:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: no setuid binary gives anything back
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+"""
+
+
+def _interpreter_paths() -> list[str]:
+    """What the interpreter needs: its prefixes (a venv, its base, a conda env) and package dirs."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))]
+    paths += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    return paths
+
+
+def _root_layout() -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """(dirs to bind read-only, (symlink, target) pairs, paths that must resolve) for the sandbox's root."""
+    binds, links = [], []
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            links.append((d, os.readlink(d)))
+        elif os.path.isdir(d):
+            binds.append(d)
+    for p in _interpreter_paths():
+        real = os.path.realpath(p)
+        if real != os.sep and os.path.isdir(real) and not any(real.startswith(b.rstrip("/") + "/") for b in binds):
+            binds.append(real)
+    binds = sorted(set(binds), key=lambda b: (b.count("/"), b))  # parents first: nested binds stay visible
+    given = {os.path.abspath(p) for p in [sys.executable, *_interpreter_paths()]}
+    return binds, links, sorted(given - set(binds))
 
 
 def _uid_base() -> int:
@@ -683,47 +1254,185 @@ def _release_uid(uid: int) -> None:
     _UID_SLOTS[os.getpid()].put(uid)
 
 
-def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int, stdin, stdout, stderr,
-                   uid: int, mode: str | None = None):
-    """Start `argv` (relative to workdir) sandboxed, in its own session; returns the Popen."""
-    mode = mode or _sandbox_mode()
+# ---- cgroups: one per run bounds the memory (tmpfs included) and the processes of the whole sandbox
+
+def _cgroup_bases() -> dict[str, str]:
+    """{kind: dir} under which this process may make cgroups: {"memory": .., "pids": ..} (v1) or
+    {"v2": ..} where memory and pids are enabled for children; {} where it may not (not root, no
+    delegation). Probed by making one."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = dict((line.split(":", 2)[1], line.split(":", 2)[2].strip()) for line in f if line.count(":") >= 2)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return {}
+    v1, v2 = {}, None
+    for fields in mounts:
+        sep = fields.index("-")
+        fstype, point, options = fields[sep + 1], fields[4], fields[-1].split(",")
+        for kind in ("memory", "pids"):
+            if fstype == "cgroup" and kind in options and kind not in v1:
+                path = next((p for k, p in own.items() if kind in k.split(",")), None)
+                if path is not None:
+                    v1[kind] = os.path.join(point, path.lstrip("/"))
+        if fstype == "cgroup2" and "" in own and v2 is None:
+            v2 = os.path.join(point, own[""].lstrip("/"))
+    for bases in (v1 if len(v1) == 2 else None, {"v2": v2} if v2 else None):
+        if bases and _make_cgroup(bases, f"{_RUN_PREFIX}{os.getpid()}_probe", 64, 8) is not None:
+            _remove_cgroup([os.path.join(b, f"{_RUN_PREFIX}{os.getpid()}_probe") for b in bases.values()])
+            return bases
+    return {}
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _make_cgroup(bases: dict[str, str], name: str, memory_mb: int, nproc: int) -> list[str] | None:
+    made = []
+    try:
+        for kind, base in bases.items():
+            made.append(os.path.join(base, name))
+            os.mkdir(made[-1])
+            if kind == "memory":
+                _write(os.path.join(made[-1], "memory.limit_in_bytes"), str(memory_mb << 20))
+            if kind == "pids" or kind == "v2":
+                _write(os.path.join(made[-1], "pids.max"), str(nproc))
+            if kind == "v2":
+                _write(os.path.join(made[-1], "memory.max"), str(memory_mb << 20))
+                if os.path.exists(os.path.join(made[-1], "memory.swap.max")):
+                    _write(os.path.join(made[-1], "memory.swap.max"), "0")
+        return made
+    except OSError:
+        _remove_cgroup(made)
+        return None
+
+
+def _remove_cgroup(dirs: list[str], timeout: float = 3.0) -> None:
+    """Kill what is left in the cgroups and remove them."""
+    deadline = time.monotonic() + timeout
+    for d in dirs:
+        while os.path.isdir(d):
+            try:
+                with open(os.path.join(d, "cgroup.procs")) as f:
+                    pids = [int(p) for p in f.read().split()]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                os.rmdir(d)
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    logger.warning("could not remove sandbox cgroup %s", d)
+                    break
+                time.sleep(0.01)
+
+
+def cleanup_sandboxes(pid: int | None = None) -> None:
+    """Remove the work dirs and cgroups of sandboxes whose process is gone: all of `pid`'s (a pool
+    worker just killed), or, with no pid, those of any process that no longer exists."""
+    def gone(name: str) -> bool:
+        try:
+            owner = int(name[len(_RUN_PREFIX):].split("_")[0])
+        except ValueError:
+            return False
+        if pid is not None:
+            return owner == pid
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        if name.startswith(_RUN_PREFIX) and gone(name):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    for base in (_SANDBOX.get("cgroup") or {}).values():
+        try:
+            names = [n for n in os.listdir(base) if n.startswith(_RUN_PREFIX) and gone(n)]
+        except OSError:
+            continue
+        _remove_cgroup([os.path.join(base, n) for n in names])
+
+
+# ---- starting and ending a run
+
+def _limits(timeout: float, memory_mb: int, cgroup: bool) -> tuple[list[tuple[str, int, int]], int, int, int]:
+    """(rlimits, nproc, tmp_mb, shm_mb). Under a cgroup each process may use the whole budget, which
+    the cgroup bounds for all together; without one, nproc x RLIMIT_AS + the tmpfs sizes = the budget."""
     cpu = max(1, pymath.ceil(timeout))
-    limits = [f"--cpu={cpu}:{cpu + 1}", f"--as={memory_mb << 20}", f"--fsize={_FSIZE}", "--nofile=256", "--core=0"]
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    if mode == "namespace":
-        os.chown(workdir, uid, uid)
-        script = _namespace_script(workdir, uid, limits + [f"--nproc={_NPROC}"], argv)
-        # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes
-        # the namespace's init and with it every process inside.
-        cmd = ["setpriv", "--pdeathsig", "KILL", "unshare", "--mount", "--net", "--pid", "--fork", "--kill-child",
-               "--mount-proc", "--propagation", "private", "sh", "-c", script]
-        return subprocess.Popen(cmd, cwd=workdir, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True)
-    env["HOME"] = workdir
-    # Without a pid namespace the program's parent is a shell that waits for it, not this process:
-    # `os.kill(os.getppid(), SIGKILL)` in model output then takes down the shell, never the trainer.
-    argv = ["sh", "-c", '"$@"; exit $?', "sh", *argv]
-    if mode == "prlimit":
-        cmd = ["prlimit", *limits, f"--nproc={_NPROC * 8}", *argv]
-        return subprocess.Popen(cmd, cwd=workdir, env=env, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True)
-    import resource
-
-    def limit():  # last resort; preexec_fn is not safe beside threads, hence the modes above
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
-
-    return subprocess.Popen(argv, cwd=workdir, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-                            start_new_session=True, preexec_fn=limit)
+    tmp_mb, shm_mb = max(1, min(_TMP_MB, memory_mb // 8)), max(1, min(_SHM_MB, memory_mb // 16))
+    nproc = _NPROC if cgroup else _NPROC_NO_CGROUP
+    address_space = memory_mb if cgroup else (memory_mb - tmp_mb - shm_mb) // nproc
+    rlimits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", address_space << 20, address_space << 20),
+               ("RLIMIT_FSIZE", _FSIZE, _FSIZE), ("RLIMIT_NOFILE", 256, 256), ("RLIMIT_CORE", 0, 0),
+               ("RLIMIT_NPROC", nproc, nproc)]
+    return rlimits, nproc, tmp_mb, shm_mb
 
 
-def _kill_sandbox(proc: subprocess.Popen) -> None:
-    """Kill a sandboxed run and reap all of it. In namespace mode the program is the pid
+def _sandbox_env() -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
+                       uid: int) -> list[str]:
+    binds, links, paths = _root_layout()
+    cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"), "uid": uid,
+           "userns": mode == "userns", "tmp_mb": tmp_mb, "shm_mb": shm_mb, "binds": binds, "links": links,
+           "paths": paths, "rlimits": rlimits, "argv": argv, "env": _sandbox_env()}
+    user = ["--user", "--map-root-user"] if mode == "userns" else []
+    # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
+    # namespace's init (the program) and with it every process in the pid namespace.
+    return ["setpriv", "--pdeathsig", "KILL", "unshare", *user, "--mount", "--net", "--pid", "--ipc", "--uts",
+            "--fork", "--kill-child", "--propagation", "private",
+            sys.executable, "-I", "-S", "-c", _SETUP, json.dumps(cfg)]
+
+
+def _unsandboxed_command(argv: list[str], rlimits: list) -> list[str]:
+    # The program's parent is a shell that waits for it, not this process: `os.kill(os.getppid(),
+    # SIGKILL)` then takes down the shell, never the trainer.
+    return ["prlimit", *(f"--{name[7:].lower()}={soft}:{hard}" for name, soft, hard in rlimits),
+            "sh", "-c", '"$@"; exit $?', "sh", *argv]
+
+
+def _in_cgroup(cmd: list[str], cgroups: list[str]) -> list[str]:
+    """The command, started inside the cgroups (the shell joins them, then execs it)."""
+    join = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1/cgroup.procs" || exit 125; shift; n=$((n-1)); done'
+    return ["sh", "-c", join + '; exec "$@"', "sh", str(len(cgroups)), *cgroups, *cmd]
+
+
+def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int, stdin, stdout, stderr,
+                   uid: int, mode: str | None = None, pass_fds: tuple = ()):
+    """Start `argv` sandboxed, in its own session, with workdir/files as its /tmp; returns (Popen, cgroups)."""
+    mode = mode or _sandbox_mode()
+    cgroups = None
+    if _SANDBOX.get("cgroup"):
+        cgroups = _make_cgroup(_SANDBOX["cgroup"], os.path.basename(workdir), memory_mb, _NPROC)
+    rlimits, nproc, tmp_mb, shm_mb = _limits(timeout, memory_mb, cgroups is not None)
+    if mode == "none":
+        cmd, cwd, env = _unsandboxed_command(argv, rlimits), os.path.join(workdir, "files"), _sandbox_env()
+        env["HOME"] = env["TMPDIR"] = cwd
+    else:
+        cmd, cwd, env = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid), workdir, {}
+    if cgroups:
+        cmd = _in_cgroup(cmd, cgroups)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+                            start_new_session=True, pass_fds=pass_fds)
+    return proc, cgroups or []
+
+
+def _kill_sandbox(proc: subprocess.Popen, mode: str) -> None:
+    """Kill a sandboxed run and reap all of it. In the namespace modes the program is the pid
     namespace's init, a child of unshare: kill it first, so that the kernel kills and reaps the
     rest of the namespace and unshare reaps the init. Killing unshare at the same moment would
     orphan the init to this machine's pid 1, which may reap zombies only every few seconds (and a
-    zombie still counts against the sandbox uid's RLIMIT_NPROC)."""
-    if proc.poll() is None and _SANDBOX.get("mode") == "namespace":
+    zombie still counts against the sandbox's RLIMIT_NPROC)."""
+    if proc.poll() is None and mode != "none":
         try:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                 for child in f.read().split():
@@ -757,93 +1466,339 @@ def _wait_uid_gone(uid: int, timeout: float = 3.0) -> None:
     logger.warning("sandbox processes of uid %d still alive after %.0f s", uid, timeout)
 
 
+def _probe(mode: str) -> str | None:
+    """None if python runs in `mode` here, else why not."""
+    workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_probe_")
+    os.makedirs(os.path.join(workdir, "files"))
+    os.makedirs(os.path.join(workdir, "root"))
+    uid = _acquire_uid()
+    try:
+        proc, cgroups = _sandbox_popen([sys.executable, "-c", "import os; print(os.getuid())"], workdir, 10, 1024,
+                                       subprocess.DEVNULL, subprocess.PIPE, subprocess.PIPE, uid, mode)
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            _kill_sandbox(proc, mode)
+            _remove_cgroup(cgroups)
+        want = {"namespace": str(uid), "userns": "65534"}.get(mode, out.strip().decode())
+        if proc.returncode == 0 and out.strip().decode() == want:
+            return None
+        return err.decode(errors="replace").strip()[-300:] or f"exit {proc.returncode}, printed {out[:100]!r}"
+    except Exception as e:
+        return str(e)[:300]
+    finally:
+        _release_uid(uid)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _sandbox_mode() -> str:
-    """The strongest sandbox that works here, probed once per process by running python in it."""
+    """The strongest sandbox that works here, probed once per process by running python in it:
+    namespace (root), userns (anyone, where unprivileged user namespaces work), else none."""
     with _SANDBOX_LOCK:
         if "mode" in _SANDBOX:
             return _SANDBOX["mode"]
-        candidates = [m for m, tools in (("namespace", ("unshare", "setpriv", "prlimit")), ("prlimit", ("prlimit",)))
-                      if all(shutil.which(t) for t in tools) and (m != "namespace" or os.geteuid() == 0)]
-        mode = "rlimit"
-        for candidate in candidates:
-            workdir = tempfile.mkdtemp(prefix="verifiers_probe_")
-            try:
-                proc = _sandbox_popen([sys.executable, "-c", "import os; print(os.getuid())"], workdir, 10, 1024,
-                                      subprocess.DEVNULL, subprocess.PIPE, subprocess.PIPE, _uid_base(), candidate)
-                out, err = proc.communicate(timeout=30)
-                if proc.returncode == 0 and out.strip().isdigit() and (candidate != "namespace" or int(out) != 0):
-                    mode = candidate
-                    break
-                logger.warning("code sandbox %s unavailable: %s", candidate, err.decode(errors="replace")[-300:])
-            except Exception as e:
-                logger.warning("code sandbox %s unavailable: %s", candidate, e)
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-        if mode != "namespace":
-            logger.warning("code sandbox degraded to %s: no network/pid isolation, fork bombs bounded by time only", mode)
+        _SANDBOX["cgroup"] = _cgroup_bases()
+        cleanup_sandboxes()  # what killed processes left behind
+        mode, why = "none", {}
+        have = shutil.which("unshare") and shutil.which("setpriv")
+        for candidate in ("namespace", "userns") if have else ():
+            if candidate == "namespace" and os.geteuid() != 0:
+                continue
+            why[candidate] = _probe(candidate)
+            if why[candidate] is None:
+                mode = candidate
+                break
+        if mode == "none" and os.geteuid() == 0 and have:
+            logger.warning("code sandbox unavailable: %s", why)
+        elif mode == "none":
+            logger.warning("code sandbox unavailable: %s", why or "no unshare / setpriv (util-linux)")
         _SANDBOX["mode"] = mode
         return mode
 
 
+def sandbox_description() -> str:
+    """One line for a trainer's log: the sandbox mode model-written code runs in here, and its budget."""
+    mode = _sandbox_mode()
+    cgroup = _SANDBOX.get("cgroup")
+    budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
+              if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
+    return f"code sandbox: {mode}: {_MODES[mode]}; {budget}"
+
+
+def _sandbox_state() -> dict:
+    """What a pool worker needs to skip its own probe: the parent's mode and cgroup bases."""
+    _sandbox_mode()
+    return dict(_SANDBOX)
+
+
 def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None = None, timeout: float = 5.0,
-                  memory_mb: int = 1024, max_output: int = 1 << 20) -> dict:
-    """Write `files` into a fresh temp dir, run argv there under limits; never raises for the
-    program's behaviour. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit,
-    "stdout", "stderr", "seconds"}."""
-    workdir = tempfile.mkdtemp(prefix="verifiers_run_")
+                  memory_mb: int = 1024, max_output: int = 1 << 20, channel: bool = False) -> dict:
+    """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never
+    raises for the program's behaviour. With channel=True the last argument is the number of a
+    file descriptor it may write results to. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|
+    output_limit, "stdout", "stderr", "seconds", "channel"}."""
+    mode = _sandbox_mode()
+    # Named after this process, so that whoever kills it (the pool) can remove what it leaves.
+    workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_")
     uid = _acquire_uid()
     try:
+        os.makedirs(os.path.join(workdir, "root"))
+        os.makedirs(os.path.join(workdir, "files"))
         for name, text in files.items():
-            with open(os.path.join(workdir, name), "w") as f:
+            with open(os.path.join(workdir, "files", name), "w") as f:
                 f.write(text)
-        with open(os.path.join(workdir, ".stdin"), "w+b") as fin, \
-                tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
+        with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
+                tempfile.TemporaryFile() as ferr, tempfile.TemporaryFile() as fchan:
             # Output goes to files, not pipes: no reader threads, no deadlock, and RLIMIT_FSIZE
             # stops a program that prints gigabytes.
             fin.write((stdin_text or "").encode())
             fin.seek(0)
+            extra = [str(fchan.fileno())] if channel else []
             t0 = time.monotonic()
-            proc = _sandbox_popen(argv, workdir, timeout, memory_mb, fin, fout, ferr, uid)
+            proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
+                                           pass_fds=(fchan.fileno(),) if channel else ())
             try:
                 rc = proc.wait(timeout=timeout)
                 status = "ok" if rc == 0 else (f"signal_{-rc}" if rc < 0 else f"exit_{rc}")
             except subprocess.TimeoutExpired:
                 status = "timeout"
             finally:
-                _kill_sandbox(proc)
-                if status != "ok" and _SANDBOX.get("mode") == "namespace":
+                _kill_sandbox(proc, mode)
+                _remove_cgroup(cgroups)
+                if status != "ok" and mode == "namespace":
                     _wait_uid_gone(uid)
             seconds = time.monotonic() - t0
             if fout.seek(0, os.SEEK_END) >= _FSIZE:
                 status = "output_limit"
-            fout.seek(0)
-            ferr.seek(0)
-            out = fout.read(max_output).decode(errors="replace")
-            err = ferr.read(64 << 10).decode(errors="replace")
-        return {"status": status, "stdout": out, "stderr": err[-2000:], "seconds": seconds}
+            out, err, chan = (_read(fout, max_output), _read(ferr, 64 << 10)[-2000:], _read(fchan, max_output))
+        return {"status": status, "stdout": out, "stderr": err, "seconds": seconds, "channel": chan}
     finally:
         _release_uid(uid)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _read(f, limit: int) -> str:
+    f.seek(0)
+    return f.read(limit).decode(errors="replace")
+
+
+def _refused(allow_unsandboxed_code: bool) -> VerifierResult | None:
+    """Model-written code runs unisolated only when the caller says so."""
+    if _sandbox_mode() != "none" or allow_unsandboxed_code:
+        return None
+    return _fail("sandbox_unavailable", message="no isolation for model-written code here (see sandbox_description"
+                 "()); allow_unsandboxed_code=True (--allow_unsandboxed_code) runs it as this user, unisolated")
+
+
+# The tests' verdicts are decided here, not in the program's interpreter (which the program owns:
+# it can read the harness, patch builtins or __eq__, exit early, forge any line it prints). The
+# sandbox only evaluates the parts of each `assert` that depend on the program (e.g. `f(2)` of
+# `assert f(2) == 4`) and writes their values, as plain data, to a channel; this process
+# evaluates the rest (`_v0 == 4`) on those values. The expected values never enter the sandbox, so
+# a forged report passes only by carrying the right values, which is solving the test.
 _HARNESS = """\
-import os, sys
-os.unlink(__file__)  # the sentinel is in this file: a program that reads its directory won't find it
-_write, _flush = sys.stdout.write, sys.stdout.flush  # kept before the program can replace them
+import json, os, sys
+_fd = int(sys.argv[-1])
 _tests = {tests!r}
 _ns = {{"__name__": "__main__"}}
-try:  # a crash or sys.exit() while defining things does not skip the tests; os._exit() does, and fails them
+
+
+def _enc(v, depth=0):
+    if depth > 100:
+        raise RecursionError
+    if v is None or isinstance(v, bool):
+        return ["n"] if v is None else ["b", bool(v)]
+    for base, tag in ((int, "i"), (float, "f"), (complex, "c")):
+        if isinstance(v, base):
+            return [tag, base.__repr__(base(v))]
+    if isinstance(v, (str, bytes)):
+        return ["s", str.__str__(v)] if isinstance(v, str) else ["y", bytes(v).hex()]
+    for base, tag in ((list, "l"), (tuple, "t"), (set, "S"), (frozenset, "F")):
+        if isinstance(v, base):
+            return [tag, [_enc(x, depth + 1) for x in base.__iter__(v)]]
+    if isinstance(v, dict):
+        return ["d", [[_enc(k, depth + 1), _enc(x, depth + 1)] for k, x in dict.items(v)]]
+    if type(v).__module__ == "numpy" and getattr(v, "shape", None) == ():
+        return _enc(v.item(), depth)
+    return ["o", type(v).__name__ + ":" + repr(v)[:1000]]
+
+
+try:  # a crash or sys.exit() while defining things does not skip the tests
     exec(compile(open("solution.py").read(), "solution.py", "exec"), _ns)
 except BaseException:
     pass
-for _i, _t in enumerate(_tests):
+for _i, _steps in enumerate(_tests):
     try:
-        exec(_t, _ns)
-        _write("\\n{sentinel}:%d:pass\\n" % _i)
-    except BaseException as _e:
-        _write("\\n{sentinel}:%d:fail:%s\\n" % (_i, type(_e).__name__))
-    _flush()
+        for _j, (_kind, _code) in enumerate(_steps):
+            if _kind == "exec":
+                exec(_code, _ns)
+                continue
+            _vals = []
+            for _e in _code:
+                try:
+                    _vals.append(_enc(eval(_e, _ns)))
+                except BaseException as _x:
+                    _vals.append(["e", type(_x).__name__])
+            os.write(_fd, (json.dumps([_i, _j, _vals]) + "\\n").encode())
+    except BaseException:
+        pass
 """
+# Evaluated here on the program's plain values: pure builtins (and math), never the program's.
+_LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bool": bool, "bytes": bytes, "complex": complex, "dict": dict,
+                "divmod": divmod, "float": float, "frozenset": frozenset, "int": int, "isinstance": isinstance,
+                "len": len, "list": list, "max": max, "min": min, "reversed": reversed, "round": round, "set": set,
+                "sorted": sorted, "str": str, "sum": sum, "tuple": tuple, "type": type}
+_LOCAL_MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "sqrt", "pi", "e", "inf", "nan",
+               "trunc", "log", "log2", "log10", "exp", "gcd", "prod", "fsum"}
+_LOCAL_NODES = (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List, ast.Set, ast.Dict,
+                ast.Subscript, ast.Slice, ast.Starred, ast.JoinedStr, ast.FormattedValue, ast.Constant)
+
+
+class _Opaque:
+    """A value with no plain-data form (an instance of the program's class): equal only to another
+    whose repr is the same, truthy, and good for nothing else."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __eq__(self, other):
+        return isinstance(other, _Opaque) and other.text == self.text
+
+    def __hash__(self):
+        return hash(self.text)
+
+    def __repr__(self):
+        return self.text
+
+
+class _Raised(Exception):
+    pass
+
+
+class _Leaves(dict):
+    """The program's values by name `_v<k>`; one that raised in the sandbox raises when it is read."""
+
+    def __getitem__(self, key):
+        value = dict.__getitem__(self, key)
+        if isinstance(value, _Raised):
+            raise value
+        return value
+
+
+def _decode(x: Any) -> Any:
+    tag = x[0]
+    if tag in ("n", "b", "s"):
+        return None if tag == "n" else x[1] if tag == "b" else str(x[1])
+    if tag in ("i", "f", "c"):
+        return {"i": int, "f": float, "c": complex}[tag](x[1])
+    if tag == "y":
+        return bytes.fromhex(x[1])
+    if tag in ("l", "t", "S", "F"):
+        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](_decode(v) for v in x[1])
+    if tag == "d":
+        return {_decode(k): _decode(v) for k, v in x[1]}
+    if tag == "e":
+        return _Raised(str(x[1])[:100])
+    return _Opaque(str(x[1])[:1000])
+
+
+def _is_local(node: ast.expr, shadowed: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in _LOCAL_CALLS and node.id not in shadowed
+    if isinstance(node, ast.Attribute):
+        return (isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _LOCAL_MATH
+                and "math" not in shadowed)
+    return False
+
+
+def _split(node: ast.expr, leaves: list[str], shadowed: set[str]) -> ast.expr:
+    """`node` with each maximal part that needs the program replaced by a name `_v<k>` (its source
+    appended to `leaves`, for the sandbox to evaluate)."""
+    if _is_local(node, shadowed):
+        return node
+    if isinstance(node, ast.Call) and _is_local(node.func, shadowed):
+        node.args = [_split(a, leaves, shadowed) for a in node.args]
+        for kw in node.keywords:
+            kw.value = _split(kw.value, leaves, shadowed)
+        return node
+    if isinstance(node, _LOCAL_NODES):
+        for field, value in ast.iter_fields(node):
+            if isinstance(value, ast.expr):
+                setattr(node, field, _split(value, leaves, shadowed))
+            elif isinstance(value, list):
+                setattr(node, field, [_split(v, leaves, shadowed) if isinstance(v, ast.expr) else v for v in value])
+        return node
+    leaves.append(ast.unparse(node))
+    return ast.copy_location(ast.Name(id=f"_v{len(leaves) - 1}", ctx=ast.Load()), node)
+
+
+def _plan_test(test: str, shadowed: set[str]) -> tuple[list, list] | None:
+    """(steps for the sandbox: ["exec", source] runs there, ["eval", [sources]] reports values;
+    one check here per top-level assert: its expression over those values). None: no such assert."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    steps, checks = [], []
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assert):
+            leaves: list[str] = []
+            expr = ast.fix_missing_locations(ast.Expression(_split(stmt.test, leaves, shadowed)))
+            steps.append(["eval", leaves])
+            checks.append((len(steps) - 1, compile(expr, "<test>", "eval"), len(leaves)))
+        else:
+            steps.append(["exec", ast.unparse(stmt)])
+    return (steps, checks) if checks else None
+
+
+def _top_level_names(program: str) -> set[str]:
+    """Names the program defines at module level: a test's `sorted(...)` then means the program's."""
+    names = set()
+    for node in ast.parse(program).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def _reports(channel: str) -> dict[tuple[int, int], list | None]:
+    """(test, step) -> the values the sandbox reported; None where reports disagree."""
+    out: dict = {}
+    for line in channel.splitlines():
+        try:
+            i, j, values = json.loads(line)
+            key, values = (int(i), int(j)), [_decode(v) for v in values]
+        except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+            continue
+        out[key] = values if key not in out or _same(out[key], values) else None
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return repr(a) == repr(b)
+    except Exception:
+        return False
+
+
+def _test_passed(i: int, plan: tuple[list, list] | None, reports: dict) -> bool:
+    if plan is None:
+        return False
+    namespace = {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS}
+    for j, check, num_leaves in plan[1]:
+        values = reports.get((i, j))
+        if values is None or len(values) != num_leaves:
+            return False
+        try:
+            if not eval(check, namespace, _Leaves((f"_v{k}", v) for k, v in enumerate(values))):
+                return False
+        except Exception:  # raised in the sandbox, or here (a type error on the program's values)
+            return False
+    return True
 
 
 def _check_code(response: str) -> tuple[str | None, VerifierResult | None]:
@@ -857,8 +1812,9 @@ def _check_code(response: str) -> tuple[str | None, VerifierResult | None]:
     return program, None
 
 
-def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: int = 1024, budget: float | None = None) -> VerifierResult:
-    """Fraction of assert statements that pass, all run in one sandboxed process.
+def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: int = 1024, budget: float | None = None,
+         allow_unsandboxed_code: bool = False) -> VerifierResult:
+    """Fraction of assert statements that pass, all run in one sandboxed process and judged here.
 
     >>> code("```python\\ndef f(x):\\n    return 2 * x\\n```", ["assert f(2) == 4", "assert f(3) == 7"]).score
     0.5
@@ -869,15 +1825,23 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     program, failed = _check_code(response)
     if failed:
         return failed
-    sentinel = "VERIFIER_" + secrets.token_hex(16)  # unknown to the program until it runs
-    harness = _HARNESS.format(tests=tests, sentinel=sentinel)
+    refused = _refused(allow_unsandboxed_code)
+    if refused:
+        return refused
+    try:
+        shadowed = _top_level_names(program)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        shadowed = set()
+    plans = [_plan_test(t, shadowed) for t in tests]
+    harness = _HARNESS.format(tests=[plan[0] if plan else [] for plan in plans])
     timeout = min(code_timeout, budget) if budget else code_timeout
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
-                        timeout=timeout, memory_mb=code_memory_mb)
-    passed = set(int(i) for i in re.findall(re.escape(sentinel) + r":(\d+):pass", run["stdout"]))
-    passed &= set(range(len(tests)))
-    return VerifierResult(len(passed) / len(tests), None, program[:2000],
-                          details={"passed": len(passed), "total": len(tests), "status": run["status"],
+                        timeout=timeout, memory_mb=code_memory_mb, channel=True)
+    reports = _reports(run["channel"])
+    passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans))
+    return VerifierResult(passed / len(tests), None, program[:2000],
+                          details={"passed": passed, "total": len(tests), "status": run["status"],
+                                   "unsupported": sum(plan is None for plan in plans),
                                    "seconds": round(run["seconds"], 3), "stderr": run["stderr"][-500:]})
 
 
@@ -1098,6 +2062,20 @@ def verify_row(verifier: str | list[str], response: str, label: Any, **kwargs) -
     return VerifierResult(sum(r.score for r in results) / len(results), ";".join(errors) or None,
                           None, "+".join(r.verifier for r in results),
                           details={"parts": [dataclasses.asdict(r) for r in results]}, elapsed=time.perf_counter() - t0)
+
+
+def row_problem(verifier: Any, label: Any) -> str | None:
+    """Why no response to a dataset row can ever be scored (None: it can): a verifier name this module
+    does not have, or labels that do not match the verifiers. Checked before training: a typo in a
+    verifier name would otherwise score every sample 0, and steps would train on nothing."""
+    try:
+        parts = _split_row(verifier, label)
+    except (ValueError, TypeError) as e:
+        return f"labels do not match the verifiers: {e}"
+    unknown = sorted({str(name) for name, _ in parts if _canonical(name) not in VERIFIERS})
+    if unknown:
+        return f"unknown verifier {', '.join(map(repr, unknown))} (known: {', '.join(sorted(VERIFIERS))})"
+    return None
 
 
 def _error_keys(result: VerifierResult) -> list[str]:

@@ -9,6 +9,7 @@ Fast part: `pytest tests/test_verifiers.py -m "not slow"`; everything: drop the 
 import asyncio
 import collections
 import http.server
+import inspect
 import json
 import os
 import signal
@@ -198,11 +199,66 @@ IFEVAL_CASES = [
     ("change_case:english_lowercase", {}, "this is all in lowercase letters, as asked.", "This is Not lowercase."),
     ("punctuation:no_comma", {}, "No commas here.", "Commas, here."),
     ("startend:quotation", {}, '"Wrapped in quotes."', "Not wrapped."),
+    # open-instruct's IFEvalG additions
+    ("copy:repeat_phrase", {"phrase": "The early bird catches the worm", "small_n": 2},
+     "The early cat catches the worm. The early bird eats the worm.",
+     "The early bird catches the worm. The early bird catches the worm."),  # each must change one word
+    ("copy:copy", {"prompt_to_repeat": "Write a haiku about rain."}, " write a HAIKU about rain. ",
+     "Write a haiku about rain. Rain falls."),
+    ("new:copy_span_idx", {"prompt_to_repeat": "Hello brave new world", "n_start": 6, "n_end": 15}, "Brave new",
+     "brave new world"),
+    ("detectable_format:sentence_hyphens", {}, "I came.-I saw.-I won.", "I came. - I saw."),
+    ("keywords:no_adjacent_consecutive", {}, "The cat sat down.", "A big cat"),
+    ("detectable_format:square_brackets", {}, "[Hello] [world]", "[Hello] world"),
+    ("keywords:word_once", {"keyword": "moon"}, "The moon is bright.", "Moon, moon."),
+    ("keywords:word_count_different_numbers", {"keyword": "sun", "frequency": 2, "relation": "less than"},
+     "The sun rose.", "Sun and sun."),
+    ("keywords:exclude_word_harder", {"keyword": "blue"}, "Blue sky. It is blue.", "The blue sky."),
+    ("paragraphs:paragraphs", {}, "First part.\n***\nSecond part.", "Only one part."),
+    ("paragraphs:paragraphs2", {}, "First part.\n\nSecond part.", "First.\n\n\n\nSecond."),  # an empty middle one
+    ("first_word:first_word_sent", {"first_word": "we"}, "We run. We jump!", "We run. They jump."),
+    ("first_word:first_word_answer", {"first_word": "Yes"}, "yes it is.", "Yes, it is."),  # 'yes,' is the word
+    ("last_word:last_word_sent", {"last_word": "end"}, "This is the end. Not the END!", "This is the end. Not yet."),
+    ("last_word:last_word_answer", {"last_word": "done"}, "We are DONE!", "Done we are."),
+    ("detectable_format:bigram_wrapping", {}, "<<I am>> <<at home>> alone", "<<I am>> at home"),
+    ("copy:copying_simple", {"prompt_to_repeat": "Say hi."}, "say HI.", "Hi!"),
+    ("copy:copying_multiple", {"prompt_to_repeat": "Say hi.", "N": 3}, "Say hi.\n******\nSay hi.\n******\nsay HI.",
+     "Say hi.\n******\nSay hi."),
+    ("punctuation:punctuation_dot", {}, "No dots here!", "A dot."),
+    ("punctuation:punctuation_exclamation", {}, "Calm.", "Wow!"),
+    ("count:lowercase_counting", {"N": 2}, "Hello World, it is.", "this is too many"),
+    ("letters:letter_counting", {"N": 5, "relation": "less than"}, "abc 123", "abcdef"),
+    ("letters:letter_counting2", {"letter": "B", "let_frequency": 2, "let_relation": "at least"}, "bob", "bat"),
+    ("count:counting_composition", {"n_sent": 1, "n_words": 3}, "Hi there.\n***\nGood day.\n***\nBye now.",
+     "Hi there.\n***\nGood day."),  # 3 tokens a sentence: the final period is one
+    ("count:count_unique", {}, "One two three.", "one two one."),
+    ("count:count_increment_word", {"keyword1": "red", "keyword2": "blue"}, "red blue blue", "red red blue blue"),
+    ("keywords:palindrome", {}, "Wow, a racecar!", "Hello world"),
+    ("keywords:keyword_specific_position", {"keyword": "cat", "n": 2, "m": 3}, "I sleep. The big cat runs.",
+     "I sleep. The cat runs."),
+    ("keywords:start_end", {}, "Love is all you need, love", "Love is all you need, love."),
 ]
 
+IFEVALG_IDS = """keywords:existence keywords:frequency keywords:forbidden_words keywords:letter_frequency
+    language:response_language length_constraints:number_sentences length_constraints:number_paragraphs
+    length_constraints:number_words length_constraints:nth_paragraph_first_word detectable_content:number_placeholders
+    detectable_content:postscript detectable_format:number_bullet_lists detectable_format:constrained_response
+    detectable_format:number_highlighted_sections detectable_format:multiple_sections detectable_format:json_format
+    detectable_format:title combination:two_responses combination:repeat_prompt startend:end_checker
+    change_case:capital_word_frequency change_case:english_capital change_case:english_lowercase punctuation:no_comma
+    startend:quotation copy:repeat_phrase copy:copy new:copy_span_idx detectable_format:sentence_hyphens
+    keywords:no_adjacent_consecutive detectable_format:square_brackets keywords:word_once
+    keywords:word_count_different_numbers keywords:exclude_word_harder paragraphs:paragraphs paragraphs:paragraphs2
+    first_word:first_word_sent first_word:first_word_answer last_word:last_word_sent last_word:last_word_answer
+    detectable_format:bigram_wrapping copy:copying_simple copy:copying_multiple punctuation:punctuation_dot
+    punctuation:punctuation_exclamation count:lowercase_counting letters:letter_counting letters:letter_counting2
+    count:counting_composition count:count_unique count:count_increment_word keywords:palindrome
+    keywords:keyword_specific_position keywords:start_end""".split()
 
-def test_ifeval_covers_the_25_instruction_types():
-    assert len(V.IFEVAL_CHECKS) == 25
+
+def test_ifeval_covers_the_54_ifevalg_instruction_types():
+    assert len(IFEVALG_IDS) == len(set(IFEVALG_IDS)) == 54
+    assert set(V.IFEVAL_CHECKS) == set(IFEVALG_IDS)
     assert {case[0] for case in IFEVAL_CASES} == set(V.IFEVAL_CHECKS)
 
 
@@ -230,7 +286,9 @@ def test_ifeval_partial_hf_nones_json_string_and_think():
 
 @pytest.mark.parametrize("label", [
     "not json", {"instruction_id_list": ["no:such_instruction"], "kwargs": [{}]},
-    {"instruction_id_list": ["keywords:frequency"], "kwargs": [{"keyword": "x"}]},  # missing kwargs
+    {"instruction_id_list": ["copy:copy"], "kwargs": [{}]},  # the reference raises without prompt_to_repeat
+    {"instruction_id_list": ["count:count_increment_word"], "kwargs": [{"keyword1": "x"}]},  # and without keyword2
+    "[{'instruction_id': ['punctuation:no_comma'], 'kwargs': [{'nonsense': 1}]}]",  # an argument it does not take
     {"instruction_id_list": ["keywords:frequency"], "kwargs": [{"keyword": "x", "frequency": 1, "relation": "about"}]},
     {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}, {}]}, {"instruction_id_list": []}, None, 42,
 ])
@@ -244,22 +302,99 @@ def test_ifeval_empty_response_is_no_answer():
     assert r.error == "no_answer"  # not a free 1.0 for "no commas"
 
 
+IFEVAL_REFERENCE_QUIRKS = [
+    ("detectable_format:title", {}, "<<<a>>>", True),
+    ("detectable_format:title", {}, "<< >>\n<<>>\n<<a\n>>", False),  # empty, too short, across a line
+    ("detectable_format:number_highlighted_sections", {"num_highlights": 2}, "**bold**", False),  # counts once
+    ("detectable_content:number_placeholders", {"num_placeholders": 2}, "[a[b]c]", False),  # one [...] match
+    ("length_constraints:nth_paragraph_first_word", {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "Then"},
+     'Hi.\n\n"Then," he said.', True),  # quotes and punctuation around the word are dropped
+    ("keywords:existence", {"keywords": ["b.g"]}, "a big dog", True),  # keywords are regexes there
+    ("keywords:existence", {"keywords": ["c++"]}, "I like C++", True),  # one that does not compile is literal
+    ("keywords:forbidden_words", {"forbidden_words": ["cat"]}, "Concatenate.", True),  # whole words only
+    ("detectable_content:postscript", {"postscript_marker": "P.P.S"}, "Bye.\np. p. s. more", True),
+    ("detectable_format:multiple_sections", {"section_spliter": "Section", "num_sections": 2},
+     "SECTION 1 a SECTION 2 b", False),  # case-sensitive
+    ("letters:letter_counting", {"N": 1, "relation": "more than"}, "abc", False),  # never followed, no error
+    ("count:count_unique", {}, "One two one.", True),  # case-sensitive tokens
+    ("count:counting_composition", {"n_sent": 1, "n_words": 3}, "Hi there.\n***\nGood day.\n***\nBye now.\n***",
+     False),  # a trailing divider leaves an empty paragraph, which has no sentences
+    ("change_case:capital_word_frequency", {"capital_frequency": 3, "capital_relation": "less than"},
+     "I DON'T know", False),  # I, DO, N'T: treebank tokens, not whitespace words
+    ("keywords:start_end", {}, "Hello world hello.", False),  # the final period is the last token
+    ("keywords:keyword_specific_position", {"keyword": "Cat", "n": 1, "m": 2}, "The cat sat.", False),
+    ("startend:end_checker", {"end_phrase": "Bye now"}, '"Ok. bye NOW"', True),
+    ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "at least"},
+     "Dr. Smith left. He ran! Why?", True),
+    ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "less than"},
+     "Dr. Smith left. He ran! Why?", False),
+    # Missing kwargs that the reference draws at random, where no draw changes the outcome.
+    ("count:lowercase_counting", {}, "HELLO THERE", True),
+    ("count:lowercase_counting", {}, "a b c d", False),
+    ("length_constraints:number_words", {"relation": "less than"}, "few words here", True),
+    ("detectable_format:number_bullet_lists", {}, "no bullets", False),
+    ("keywords:forbidden_words", {}, "xyzzy", True),
+]
+
+
+@pytest.mark.parametrize("inst,kwargs,response,followed", IFEVAL_REFERENCE_QUIRKS,
+                         ids=[c[0] + str(i) for i, c in enumerate(IFEVAL_REFERENCE_QUIRKS)])
+def test_ifeval_matches_reference_quirks(inst, kwargs, response, followed):
+    r = verify("ifeval", response, str([{"instruction_id": [inst], "kwargs": [kwargs]}]))
+    assert (r.score, r.error) == (float(followed), None), r
+
+
+def test_ifeval_open_instruct_literal_label_scores_the_fraction():
+    # ground_truth as open-instruct stores it: a Python literal (single quotes, None), not JSON.
+    label = ("[{'instruction_id': ['punctuation:no_comma', 'keywords:word_once', 'detectable_format:title'], "
+             "'kwargs': [None, {'keyword': 'moon', 'frequency': None}, {}]}]")
+    r = verify("ifeval", "<think>moon, moon</think><<Night>>\nThe moon, bright.", label)
+    assert r.error is None and r.score == pytest.approx(2 / 3), r  # the comma fails; the think block is gone
+    assert r.details["followed"] == {"punctuation:no_comma": False, "keywords:word_once": True,
+                                     "detectable_format:title": True}
+    assert verify("ifeval", "<<Night>>\nThe moon is bright.", label).score == 1.0
+    assert verify("ifeval", "<think>moon</think>", label).score == 0.0  # nothing left after the think block
+    assert verify("ifeval", "", label).score == 0.0
+    quoted = "[{'instruction_id': ['startend:quotation'], 'kwargs': [None]}]"
+    assert verify("ifeval", '<answer>"Quoted."</answer>', quoted).score == 1.0  # answer tags are dropped
+
+
+def test_ifeval_word_tokens_follow_treebank_rules():
+    assert V.word_tokens('"Hello," he said. "Bye."') == ["``", "Hello", ",", "''", "he", "said", ".", "``", "Bye",
+                                                         ".", "''"]
+    assert V.word_tokens("I can't, it's Mr. Smith's well-known U.S. dog... ok?") == [
+        "I", "ca", "n't", ",", "it", "'s", "Mr.", "Smith", "'s", "well-known", "U.S.", "dog", "...", "ok", "?"]
+
+
+def _hostile_label(inst: str) -> dict:
+    pool = {"keywords": ["a"], "keyword": "a", "frequency": 1, "relation": "at least", "forbidden_words": ["b"],
+            "letter": "a", "let_frequency": 1, "let_relation": "at least", "language": "en", "num_sentences": 1,
+            "num_paragraphs": 1, "num_words": 1, "nth_paragraph": 1, "first_word": "a", "num_placeholders": 1,
+            "postscript_marker": "P.S.", "num_bullets": 1, "num_highlights": 1, "section_spliter": "Section",
+            "num_sections": 1, "prompt_to_repeat": "a", "end_phrase": "a", "capital_frequency": 1,
+            "capital_relation": "at least", "phrase": "The early bird catches the worm", "small_n": 2, "n_start": 1,
+            "n_end": 2, "last_word": "a", "N": 2, "n_sent": 2, "n_words": 2, "keyword1": "a", "keyword2": "b", "n": 1,
+            "m": 1}
+    params = list(inspect.signature(V.IFEVAL_CHECKS[inst]).parameters)[1:]
+    return {"instruction_id_list": [inst], "kwargs": [{k: pool[k] for k in params}]}
+
+
 def test_ifeval_hostile_inputs_are_fast():
-    ids = list(V.IFEVAL_CHECKS)
-    kwargs = {"keywords": ["a"], "keyword": "a", "frequency": 1, "relation": "at least", "forbidden_words": ["b"],
-              "letter": "a", "let_frequency": 1, "let_relation": "at least", "language": "en", "num_sentences": 1,
-              "num_paragraphs": 1, "num_words": 1, "nth_paragraph": 1, "first_word": "a", "num_placeholders": 1,
-              "postscript_marker": "P.S.", "num_bullets": 1, "num_highlights": 1, "section_spliter": "Section",
-              "num_sections": 1, "prompt_to_repeat": "a", "end_phrase": "a", "capital_frequency": 1,
-              "capital_relation": "at least"}
-    label = {"instruction_id_list": ids, "kwargs": [{k: kwargs.get(k) for k in V.IFEVAL_CHECKS[i].__code__.co_varnames[
-        1:V.IFEVAL_CHECKS[i].__code__.co_argcount]} for i in ids]}
-    for text in [" " * 200_000 + "x", "[" * 200_000, "\n" * 100_000 + "x", "*" * 100_000, "[" * 100_000 + "]" * 100_000,
-                 "p. " * 50_000, "Section " * 50_000]:
-        t0 = time.time()
-        r = verify("ifeval", text, label)
-        assert in_bounds(r) and r.error is None, r
-        assert time.time() - t0 < 5, (text[:20], time.time() - t0)
+    # 200,000 characters each; "<" * 40,000 alone took 1.3 s in the old title regex.
+    texts = ["<" * 200_000, "<<" + "x" * 199_998, "[" * 200_000, "[" * 100_000 + "]" * 100_000, "*" * 200_000,
+             " " * 199_999 + "x", "\n" * 199_999 + "x", "p. " * 66_666 + "xx", "a. " * 66_666 + "xx",
+             "Section " * 25_000, "The " * 50_000, "a" * 200_000, "- " * 100_000, "'" * 200_000, "*** " * 50_000]
+    worst = (0.0, "")
+    for inst in V.IFEVAL_CHECKS:
+        label = _hostile_label(inst)
+        for text in texts:
+            t0 = time.perf_counter()
+            r = verify("ifeval", text, label)
+            elapsed = time.perf_counter() - t0
+            assert in_bounds(r) and r.error is None, (inst, text[:10], r)
+            assert elapsed < 2, (inst, text[:10], elapsed)
+            worst = max(worst, (elapsed, f"{inst} on {text[:6]!r}..."))
+    print(f"slowest IFEval check on a hostile 200,000-character response: {worst[0]:.3f} s ({worst[1]})")
 
 
 # ------------------------------------------------------------------------------------------------
