@@ -581,12 +581,73 @@ def tokenize_prompt(tokenizer, messages, tools=None, chat_template=None) -> list
 # ---------------------------------------------------------------------------------------------
 # Datasets: loading a mixture
 # ---------------------------------------------------------------------------------------------
+def _read_json_rows(path: str):
+    """Yield (line, row) for every row of a .jsonl file (or of a .json list of rows, numbered from 1),
+    parsed by Python's json: values exactly as written, and the line of a malformed row."""
+    with open(path, encoding="utf-8-sig", newline="\n") as f:  # JSON Lines end rows at \n only
+        first = f.read(1)
+        while first and first.isspace():
+            first = f.read(1)
+        f.seek(0)
+        if first == "[":
+            try:
+                yield from enumerate(json.load(f), 1)
+            except ValueError as e:
+                raise ValueError(f"{path}:{getattr(e, 'lineno', '?')}: not valid JSON ({e})") from None
+            return
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{i}: a row must be a JSON object, not {type(row).__name__}")
+                yield i, row
+
+
+def _json_text(value):
+    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _load_json_file(path: str) -> datasets.Dataset:
+    """A .json / .jsonl file with every value as written, plus `source_line` (the row's line in the file).
+
+    `datasets` stores a column that mixes strings with lists or numbers as JSON text and decodes all of
+    it when read, so the string label "[1, 2]" came back as a list, "1e3" as 1000.0 and "007" as 7.
+    Such a column is rebuilt here from Python's parse: strings as written, the other values as their
+    JSON text (verifiers.py reads a JSON-text label and the Python value alike)."""
+    lines, kinds = [], collections.defaultdict(set)  # one pass, without keeping the rows
+    for i, row in _read_json_rows(path):
+        lines.append(i)
+        for key, value in (row.items() if isinstance(row, dict) else ()):
+            kinds[key].add(value is None or isinstance(value, str))
+    mixed = [key for key, k in kinds.items() if k == {True, False}]
+    try:
+        ds = datasets.load_dataset("json", data_files=path, split="train")
+    except Exception:  # e.g. blank lines, which its reader does not skip: the rows Python read
+        rows = [row for _, row in _read_json_rows(path)]
+        ds = datasets.Dataset.from_list([{k: _json_text(r.get(k)) if k in mixed else r.get(k) for k in kinds}
+                                         for r in rows])
+        mixed = []
+    if len(lines) != len(ds):
+        raise ValueError(f"{path}: datasets read {len(ds)} rows, Python's json {len(lines)}")
+    for column in mixed:
+        text = [_json_text(row.get(column)) for _, row in _read_json_rows(path)]
+        ds = ds.remove_columns(column).add_column(column, text)
+    if "source_line" in ds.column_names:
+        ds = ds.remove_columns("source_line")
+    return ds.add_column("source_line", lines)
+
+
 def _load_source(name: str, split: str) -> datasets.Dataset:
     if os.path.isfile(name):
         ext = name.rsplit(".", 1)[-1].lower()
         kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
         if kind is None:
             raise ValueError(f"unsupported data file {name!r} (use .jsonl, .json or .parquet)")
+        if kind == "json":
+            return _load_json_file(name)
         return datasets.load_dataset(kind, data_files=name, split="train")
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "dataset_info.json")):
         ds = datasets.load_from_disk(name)
@@ -605,17 +666,29 @@ def _parse_amount(amount) -> tuple[str, float]:
     return "fraction", value
 
 
-def load_mixture(mixer_list: list[str], split: str = "train", seed: int = 0) -> datasets.Dataset:
-    """`["a.jsonl", "1.0", "org/b", "500"]` -> one shuffled dataset with a `source` column.
+def load_mixture(mixer_list: list[str], split: str | list[str] = "train", seed: int = 0) -> datasets.Dataset:
+    """`["a.jsonl", "1.0", "org/b", "500"]` -> one shuffled dataset with `source` and `source_line` columns
+    (a row's line in a .jsonl file, its 1-based row number in other sources). JSON files keep every value
+    exactly as written (see _load_json_file).
 
     A decimal amount is a fraction of the source (`"0.5"`; `"3.0"` repeats it three times); an integer
-    is a row count (repeating the source when it has fewer rows).
+    is a row count (repeating the source when it has fewer rows). `split` is the Hub / `save_to_disk`
+    split of every source, or a list: one split for all, or one per source (open-instruct's
+    `--dataset_mixer_list_splits`). Local .jsonl / .json / .parquet files have no splits.
     """
     if len(mixer_list) % 2 or not mixer_list:
         raise ValueError(f"dataset mixer list needs (source, fraction_or_count) pairs, got {mixer_list}")
+    splits = [split] if isinstance(split, str) else list(split)
+    if len(splits) == 1:
+        splits = splits * (len(mixer_list) // 2)
+    if len(splits) != len(mixer_list) // 2:
+        raise ValueError(f"{len(splits)} splits {splits} for {len(mixer_list) // 2} sources: give one split, "
+                         "or one per source")
     parts = []
-    for name, amount in zip(mixer_list[0::2], mixer_list[1::2]):
-        ds = _load_source(name, split)
+    for name, amount, source_split in zip(mixer_list[0::2], mixer_list[1::2], splits):
+        ds = _load_source(name, source_split)
+        if "source_line" not in ds.column_names:  # where a row came from, for error messages (1-based)
+            ds = ds.add_column("source_line", list(range(1, len(ds) + 1)))
         kind, value = _parse_amount(amount)
         n = int(value) if kind == "count" else int(value * len(ds))
         if len(ds) == 0 and n > 0:
@@ -828,13 +901,60 @@ def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="dr
     return _tokenize_dataset(dataset, tokenizer, "preference", row_fn, settings, columns, cache_dir, num_proc)
 
 
+def rlvr_verifier(row):
+    """An RL row's verifier name(s): its `verifier` column, else open-instruct's `dataset`, else math."""
+    return row.get("verifier") or row.get("dataset") or "math"
+
+
+def rlvr_row_problem(row) -> str | None:
+    """Why an RL row can never be trained on (None: it can): what tokenize_rlvr would drop it for, short
+    of tokenizing it (a prompt that is only too long is not a problem of the row)."""
+    if not isinstance(row, collections.abc.Mapping):
+        return f"not a JSON object ({type(row).__name__})"
+    if row.get("ground_truth") is None:
+        return "no ground_truth"
+    messages = row.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) \
+            and messages[-1].get("role") == "assistant":
+        messages = messages[:-1]
+    try:
+        messages, _ = _normalize(messages, row.get("tools"), from_arrow=True)
+        validate_messages(messages)
+    except DroppedRow as e:
+        return f"messages: {e}"
+    return None
+
+
+# Names of the LM judge in RL rows (Dolci / open-instruct: "general-quality", "general-quality_ref").
+JUDGE_VERIFIERS = ("llm_judge", "judge", "general_quality", "general_quality_ref")
+
+
+def _is_judge(verifier) -> bool:
+    """A row graded by the LM judge alone (one name, or a one-element list); a row that mixes the judge
+    with other verifiers keeps its labels as they are."""
+    names = _maybe_json_list(verifier)
+    return len(names) == 1 and str(names[0]).strip().lower().replace("-", "_") in JUDGE_VERIFIERS
+
+
+def _maybe_json_list(value) -> list:
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def tokenize_rlvr(dataset, tokenizer, max_prompt_length, chat_template=None, over_length_strategy="drop",
                   cache_dir=None, num_proc=None):
     """Rows with `messages` (prompt), `ground_truth`, `verifier` -> `prompt_input_ids` (generation prompt added).
 
     A trailing assistant message is removed (it is the reference answer, not part of the prompt).
     Over-long prompts are dropped, or right-truncated with `over_length_strategy="truncate"`.
-    Also kept: `dataset` (the row's `dataset` or `source` column, for per-source metrics).
+    Also kept: `dataset` (the row's `dataset` or `source` column, for per-source metrics). Dolci /
+    open-instruct rows name the verifier in `dataset` ("math", "ifeval", "code", "general-quality",
+    "general-quality_ref"; a string or a list parallel to `ground_truth`). A row graded by the LM judge
+    gets `ground_truth` = JSON {"question": the last user message, "reference": its ground truth}.
     """
     template = _resolve_template(tokenizer, chat_template)
     if over_length_strategy not in ("drop", "truncate"):
@@ -853,14 +973,104 @@ def tokenize_rlvr(dataset, tokenizer, max_prompt_length, chat_template=None, ove
             if over_length_strategy == "drop":
                 raise DroppedRow("over_length")
             ids = ids[:max_prompt_length]
-        verifier = row.get("verifier") or row.get("dataset") or "math"
-        return {"prompt_input_ids": ids, "ground_truth": row["ground_truth"], "verifier": verifier,
-                "dataset": str(row.get("dataset") or row.get("source") or "")}
+        verifier = rlvr_verifier(row)
+        ground_truth = row["ground_truth"]
+        if _is_judge(verifier):  # an LM judge grades against the question: carry it with the reference
+            question = next((m.get("content") for m in reversed(messages)
+                             if isinstance(m, dict) and m.get("role") == "user"), "")
+            wrap = lambda reference: json.dumps({"question": question, "reference": reference}, ensure_ascii=False)
+            if isinstance(ground_truth, list):
+                ground_truth = [wrap(g) for g in ground_truth]
+            else:  # a reference given as a one-element JSON list is that element
+                refs = _maybe_json_list(ground_truth)
+                ground_truth = wrap(refs[0] if len(refs) == 1 else ground_truth)
+        name = row.get("dataset") or row.get("source") or ""
+        return {"prompt_input_ids": ids, "ground_truth": ground_truth, "verifier": verifier,
+                "dataset": "+".join(map(str, name)) if isinstance(name, list) else str(name)}
 
     settings = {"max_prompt_length": max_prompt_length, "over_length_strategy": over_length_strategy,
                 "chat_template_source": template}
     columns = ["prompt_input_ids", "ground_truth", "verifier", "dataset"]
     return _tokenize_dataset(dataset, tokenizer, "rlvr", row_fn, settings, columns, cache_dir, num_proc)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage scripts' command line: open-instruct's flag names
+# ---------------------------------------------------------------------------------------------
+# Flags of the Olmo 3 launch scripts (open-instruct, and OLMo-core for SFT) that no stage script takes,
+# with what to use instead. A `(values, message)` entry is taken silently when the flag asks for what the
+# scripts do anyway (its values, lower-cased, all in `values`; "" in `values`: the flag given alone).
+LAUNCHER_NOT_NEEDED = "a Beaker / oe-eval launcher setting; not needed here (evaluate output_dir with your own harness)"
+COMMON_UNSUPPORTED_FLAGS = {
+    "lr": "use --learning_rate (flag names are exact here; prefixes are not expanded)",
+    "with_tracking": ({"false"}, "use --report_to wandb (with --wandb_project, --wandb_entity, --run_name)"),
+    "deepspeed_stage": "not needed here: FSDP2 shards the model (sft.py / dpo.py: --use_fsdp, turned on by itself "
+                       "when the model does not fit one GPU; grpo.py: automatic with several learners)",
+    "zero_hpz_partition_size": "not needed here: FSDP2 replaces DeepSpeed ZeRO (see --deepspeed_stage)",
+    "use_flash_attn": "not needed here: attention is PyTorch sdpa, which keeps packed conversations apart",
+    "tokenizer_name": "not needed here: the tokenizer is loaded from --model_name_or_path",
+    "tokenizer_name_or_path": "not needed here: the tokenizer is loaded from --model_name_or_path",
+    "use_slow_tokenizer": ({"false"}, "only the fast tokenizer is used (trained-token labels need its offsets)"),
+    "mixer_list": "use --dataset_mixer_list SOURCE AMOUNT ...",
+    "max_train_samples": "use a row count as the amount in --dataset_mixer_list (e.g. SOURCE 150000)",
+    **{name: LAUNCHER_NOT_NEEDED for name in (
+        "eval_workspace", "eval_priority", "oe_eval_tasks", "oe_eval_max_length", "oe_eval_gpu_multiplier",
+        "oe_eval_beaker_image", "try_launch_beaker_eval_jobs_on_weka", "beaker_eval_freq", "budget", "workspace",
+        "cluster", "launch.priority", "gs_model_name", "hf_entity", "hf_repo_id", "push_to_hub")},
+}
+# open-instruct `--chat_template_name` values that are not templates here. `olmo123` is not an
+# open-instruct template either: open-instruct then takes the tokenizer's own, as omitting the flag does.
+OPEN_INSTRUCT_TEMPLATE_NAMES = {
+    "olmo123": None,
+    **{name: f"open-instruct's `{name}` template (OLMo identity, November 2024 cutoff) is not bundled: omit "
+             "--chat_template to use the checkpoint's own (the released Olmo 3 checkpoints carry the template "
+             "they were trained with), or give one of `python chat_template.py list` or a .jinja file"
+       for name in ("olmo", "olmo_thinker", "olmo_thinker_no_think_7b", "olmo_thinker_no_think_sft_tokenization")},
+}
+
+
+def parse_stage_args(args_class, unsupported: dict | None = None, argv: list[str] | None = None):
+    """A stage script's command line -> its `Args` (transformers' HfArgumentParser).
+
+    Flag names are exact (argparse's prefix matching is off: `--lr` is not `--learning_rate`).
+    open-instruct's names of the same options are aliases in `Args` (`metadata["aliases"]`; --help
+    shows both). Every other flag of the Olmo 3 launch scripts, from `unsupported` (the script's own)
+    or COMMON_UNSUPPORTED_FLAGS, fails with a message naming what to use instead (SystemExit).
+    """
+    from transformers import HfArgumentParser
+
+    table = {**COMMON_UNSUPPORTED_FLAGS, **(unsupported or {})}
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        name, has_value, inline = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        end = i + 1
+        if name and not has_value:
+            while end < len(argv) and not argv[end].startswith("--"):
+                end += 1
+        entry = table.get(name.replace("-", "_")) if name else None
+        if entry is None:
+            kept.append(token)
+            i += 1
+            continue
+        values = [inline] if has_value else argv[i + 1:end]
+        accepted, message = entry if isinstance(entry, tuple) else (set(), entry)
+        lowered = [v.lower() for v in values] or [""]
+        if all(v in accepted for v in lowered):
+            i = end  # asks for what this script does anyway
+            continue
+        raise SystemExit(f"--{name} {' '.join(values)}".rstrip() + f": {message}")
+    parser = HfArgumentParser(args_class, allow_abbrev=False)
+    args, remaining = parser.parse_args_into_dataclasses(args=kept, return_remaining_strings=True)
+    if remaining:
+        raise SystemExit(f"unrecognized arguments: {' '.join(remaining)} (--help lists every flag)")
+    template = getattr(args, "chat_template", None)
+    if template in OPEN_INSTRUCT_TEMPLATE_NAMES:
+        if OPEN_INSTRUCT_TEMPLATE_NAMES[template] is not None:
+            raise SystemExit(f"--chat_template {template}: {OPEN_INSTRUCT_TEMPLATE_NAMES[template]}")
+        args.chat_template = None
+    return args
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,21 +53,21 @@ $PY toy.py data "$OUT/data" "${DATA_ARGS[@]}"
 
 stage "2/5 SFT (sft.py)"
 solo $PY sft.py --model_name_or_path "$OUT/base" --dataset_mixer_list "$OUT/data/sft.jsonl" 1.0 \
-    --output_dir "$OUT/sft" --learning_rate 3e-3 --per_device_train_batch_size 32 \
+    --output_dir "$OUT/sft" --overwrite_output_dir --learning_rate 3e-3 --per_device_train_batch_size 32 \
     --gradient_accumulation_steps 1 --warmup_ratio 0.05 --max_seq_length 256 --save_steps 0 --seed 0 \
     "${SFT_ARGS[@]}"
 
 stage "3/5 DPO (dpo.py)"
 solo $PY dpo.py --model_name_or_path "$OUT/sft" --dataset_mixer_list "$OUT/data/preference.jsonl" 1.0 \
-    --output_dir "$OUT/dpo" --learning_rate 1e-5 --per_device_train_batch_size 16 \
+    --output_dir "$OUT/dpo" --overwrite_output_dir --learning_rate 1e-5 --per_device_train_batch_size 16 \
     --gradient_accumulation_steps 1 --max_seq_length 256 --save_steps 0 --seed 0 \
     "${DPO_ARGS[@]}"
 
 stage "4/5 RL (grpo.py: 1 learner rank + 1 vLLM actor rank)"
 $PY -m torch.distributed.run --nproc-per-node 2 grpo.py --num_learners 1 \
-    --model_name_or_path "$OUT/dpo" --output_dir "$OUT/rl" \
+    --model_name_or_path "$OUT/dpo" --output_dir "$OUT/rl" --overwrite_output_dir \
     --dataset_mixer_list "$OUT/data/rlvr.jsonl" 1.0 --eval_dataset_mixer_list "$OUT/data/eval.jsonl" 1.0 \
-    --learning_rate 1e-4 --lr_schedule linear --num_unique_prompts_per_step 8 --num_samples_per_prompt 8 \
+    --learning_rate 1e-4 --lr_scheduler_type linear --num_unique_prompts_per_step 8 --num_samples_per_prompt 8 \
     --max_response_length 64 --max_prompt_length 128 --max_num_seqs 32 --enforce_eager --seed 0 \
     "${RL_ARGS[@]}"
 

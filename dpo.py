@@ -69,14 +69,17 @@ and its chat template; with `--use_lora` the peft adapter, and with `--merge_lor
 model in `merged/`), `metrics.jsonl` (one JSON line per step; step 0 holds the reference-cache and
 pre-training eval numbers), and `checkpoints/step_N/` (the HF directory plus `training_state.pt`
 and per-rank RNG files; `checkpoints/latest` names the newest complete one). `--resume` continues
-from it exactly. The reference cache lives in `--reference_cache_dir` (default: a
-`reference_cache/` directory next to `--output_dir`, so sibling runs share it).
+from it exactly (the newest `--keep_last_n_checkpoints` stay; an output_dir that holds a previous
+run needs `--resume` or `--overwrite_output_dir`). The reference cache lives in
+`--reference_cache_dir` (default: a `reference_cache/` directory next to `--output_dir`, so sibling
+runs share it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -89,7 +92,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import chat_template
 
@@ -105,29 +108,46 @@ class Args:
     # --- run and logging ---
     output_dir: str = field(default="output/dpo", metadata={"help": "final model, metrics.jsonl and checkpoints/ go here"})
     seed: int = field(default=42, metadata={"help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
-    report_to: str = field(default="none", metadata={"help": "none | wandb (offline unless WANDB_MODE=online)"})
-    wandb_project: str = field(default="olmo3-posttrain", metadata={"help": "wandb project name"})
+    report_to: str = field(default="none", metadata={
+        "help": "none | wandb (wandb's own mode: online when logged in, else offline; WANDB_MODE overrides)"})
+    wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
+                                                                    "help": "wandb project name"})
+    wandb_entity: str = field(default=None, metadata={"help": "wandb team or user (default: your wandb default)"})
+    run_name: str = field(default=None, metadata={"aliases": ["--exp_name"],
+                                                  "help": "wandb run name (default: wandb's)"})
     logging_steps: int = field(default=1, metadata={"help": "log a line and a metrics dict every N optimizer steps"})
-    save_steps: int = field(default=500, metadata={"help": "write a resumable checkpoint every N optimizer steps (0: never)"})
+    save_steps: int = field(default=500, metadata={"aliases": ["--checkpointing_steps"],
+                                                   "help": "write a resumable checkpoint every N optimizer steps (0: never)"})
     eval_steps: int = field(default=0, metadata={
         "help": "held-out preference eval every N steps (0: only before training and at the end)"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest (same args)"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "start over in an output_dir that holds a previous run (deletes its checkpoints and metrics)"})
+    keep_last_n_checkpoints: int = field(default=2, metadata={
+        "help": "keep the newest N checkpoints (0: all); the one a --resume started from is never deleted"})
     # --- model and data ---
     model_name_or_path: str = field(default=None, metadata={"help": "HF model directory or hub id (offline: a local dir); usually the SFT model"})
     dataset_mixer_list: list[str] = field(default_factory=list, metadata={
         "help": "source / amount pairs of preference data (`chosen` / `rejected` message lists): `a.jsonl 1.0 org/b 500`"})
+    dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
+        "help": "split of each Hub source: one for all or one per source (Olmo 3: train)"})
     eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={
-        "help": "held-out preference pairs, same format; or use --eval_split_fraction"})
+        "aliases": ["--dataset_mixer_eval_list"], "help": "held-out preference pairs, same format; or use --eval_split_fraction"})
+    eval_dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
+        "aliases": ["--dataset_mixer_eval_list_splits"], "help": "split of each held-out Hub source (one, or one per source)"})
     eval_split_fraction: float = field(default=0.0, metadata={
         "help": "hold out this fraction of the training pairs for eval/accuracy (when no eval mixer list is given)"})
     chat_template: str = field(default=None, metadata={
+        "aliases": ["--chat_template_name"],
         "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
     max_seq_length: int = field(default=16384, metadata={"help": "max tokens per chosen / rejected conversation (Olmo 3 7B DPO: 16384)"})
     over_length_strategy: str = field(default="drop", metadata={"help": "what to do with longer conversations (see chat_template.py)"})
     # --- algorithm (defaults: Olmo 3 7B Instruct DPO, open-instruct scripts/train/olmo3/7b_instruct_dpo.sh) ---
-    loss_type: str = field(default="dpo_norm", metadata={"help": "dpo | dpo_norm | simpo | ipo (Olmo 3 / Tulu 3: dpo_norm)"})
+    loss_type: str = field(default="dpo_norm", metadata={
+        "aliases": ["--dpo_loss_type"], "help": "dpo | dpo_norm | simpo | ipo (Olmo 3 / Tulu 3: dpo_norm)"})
     beta: float = field(default=None, metadata={
+        "aliases": ["--dpo_beta"],
         "help": "loss temperature; default per loss: dpo 0.1, dpo_norm 5 (Olmo 3), simpo 2.0, ipo 0.1"})
     rpo_alpha: float = field(default=0.0, metadata={
         "help": "weight of the chosen answer's per-token NLL added to the loss (RPO, Pang et al. 2024; 0: off, Olmo 3)"})
@@ -135,13 +155,14 @@ class Args:
     label_smoothing: float = field(default=0.0, metadata={
         "help": "conservative DPO: assumed probability that a pair's label is flipped (dpo, dpo_norm, simpo)"})
     num_train_epochs: int = field(default=1, metadata={"help": "passes over the data (Olmo 3: 1)"})
-    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; overrides num_train_epochs when > 0"})
+    max_steps: int = field(default=-1, metadata={"aliases": ["--max_train_steps"],
+                                                 "help": "optimizer steps; overrides num_train_epochs when > 0"})
     learning_rate: float = field(default=1e-6, metadata={"help": "peak AdamW learning rate (Olmo 3 7B Instruct: 1e-6)"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "linear | cosine decay to 0 after warmup (Olmo 3: linear)"})
     warmup_ratio: float = field(default=0.1, metadata={"help": "fraction of steps with linear warmup (Olmo 3: 0.1)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices; never on norms (Olmo 3: 0)"})
     max_grad_norm: float = field(default=-1.0, metadata={
-        "help": "clip the global gradient norm (<= 0: no clipping, still logged; open-instruct DPO: -1)"})
+        "aliases": ["--clip_grad_norm"], "help": "clip the global gradient norm (<= 0: no clipping, still logged; open-instruct DPO: -1)"})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "pairs per micro-batch per rank (each pair is 2 rows)"})
     gradient_accumulation_steps: int = field(default=16, metadata={
         "help": "micro-batches per optimizer step (Olmo 3: 1 x 4 x 32 GPUs = 128 pairs)"})
@@ -159,6 +180,19 @@ class Args:
     use_fsdp: bool = field(default=False, metadata={
         "help": "FSDP2: shard each decoder layer, then the root (automatic on GPU when weights + Adam do not fit)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward pass"})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "bf16 compute with fp32 master weights, optimizer state and gradient reduction (autocast, or "
+                "FSDP2 mixed precision); default: on for GPU, off on CPU"})
+    logprob_chunk_size: int = field(default=1024, metadata={
+        "help": "tokens per chunk of the LM head + log-softmax, recomputed in backward: logits memory is "
+                "chunk x vocab, never sequence x vocab"})
+
+
+# Flags of open-instruct's Olmo 3 DPO launch scripts (scripts/train/olmo3/7b_*_dpo.sh, dpo_tune_cache.py) that
+# this script does not take, with what to use instead. All of them are ones every stage refuses
+# (chat_template.COMMON_UNSUPPORTED_FLAGS: DeepSpeed, Beaker / oe-eval, --with_tracking, ...); open-instruct's
+# names of the options we share are aliases in `Args` (see --help).
+UNSUPPORTED_FLAGS: dict = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,14 +249,145 @@ def sequence_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tens
     """Summed logprob of the trained tokens of every row (2B,), and how many there are (2B,).
 
     No attention mask: with right padding and causal attention a real token never attends to the
-    padding after it, so its logits are exact (and sdpa keeps its fused causal path).
+    padding after it, so its logprobs are exact (and sdpa keeps its fused causal path). The LM head
+    runs in chunks (`target_logprobs`): no (2B, T, V) logits tensor.
     """
-    logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits.float()  # (2B, T, V)
     targets = batch["targets"].to(device)  # (2B, T)
     mask = targets != -100
-    # log_softmax at the target = logit - logsumexp: never materialises a second (2B, T, V) tensor.
-    token_logps = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+    token_logps, _ = target_logprobs(model, batch["input_ids"].to(device), None, targets)
     return (token_logps * mask).sum(-1), mask.sum(-1)
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
+# logits tensor, and a memory plan printed before anything loads
+# -------------------------------------------------------------------------------------------------
+class ChunkedLogprobHead(torch.nn.Module):
+    """The LM head, swapped in for `model.lm_head`: returns each position's log-probability of its target
+    token (and, if asked, the entropy of its distribution) instead of its logits.
+
+    The logits are computed `chunk_size` tokens at a time and recomputed in the backward pass
+    (torch.utils.checkpoint), so peak memory grows with chunk_size x vocab, never tokens x vocab: at
+    35,840 tokens and Olmo 3's 100,278-token vocabulary, fp32 logits would be 14 GB per copy. It holds
+    the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
+    precision and checkpoints are unchanged; it runs inside the model's forward, where FSDP2 has
+    gathered the weight. With `targets` None it is the plain linear head (generation, saving).
+    """
+
+    def __init__(self, head: torch.nn.Linear, chunk_size: int):
+        super().__init__()
+        self.weight, self.bias, self.chunk_size = head.weight, head.bias, chunk_size
+        self.targets, self.temperature, self.with_entropy = None, 1.0, False
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, 1 or 2)
+        if self.targets is None:
+            return torch.nn.functional.linear(hidden, self.weight, self.bias)
+        from torch.utils.checkpoint import checkpoint
+
+        flat, targets = hidden.flatten(0, 1), self.targets.flatten().clamp(min=0)  # -100 -> any id; masked later
+        chunks = [checkpoint(self._chunk, flat[i:i + self.chunk_size], self.weight, targets[i:i + self.chunk_size],
+                             use_reentrant=False, preserve_rng_state=False)
+                  for i in range(0, flat.shape[0], self.chunk_size)]
+        logprobs = torch.cat([c[0] for c in chunks])
+        columns = [logprobs, torch.cat([c[1] for c in chunks])] if self.with_entropy else [logprobs]
+        return torch.stack(columns, -1).view(*hidden.shape[:2], len(columns))
+
+    def _chunk(self, hidden, weight, targets):
+        logits = torch.nn.functional.linear(hidden, weight, self.bias).float() / self.temperature  # (C, V)
+        norm = torch.logsumexp(logits, -1)
+        logprobs = logits.gather(-1, targets[:, None])[:, 0] - norm
+        entropy = None
+        if self.with_entropy:
+            with torch.no_grad():  # logged, never trained on
+                entropy = norm - (torch.softmax(logits, -1) * logits).sum(-1)
+        return logprobs, entropy
+
+
+def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
+    """Swap the model's LM head for a ChunkedLogprobHead (before FSDP2 or DDP wrap it)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, ChunkedLogprobHead):
+        head = ChunkedLogprobHead(head, chunk_size)
+        model.set_output_embeddings(head)
+    return head
+
+
+def target_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, with_entropy: bool = False):
+    """log p(targets[b, t] | tokens <= t) (B, T) and the entropy (B, T) or None, through the chunked head.
+
+    Packed rows need no mask: with `attention_mask=None`, transformers turns position ids that restart
+    at 0 into a block-diagonal causal mask (masking_utils.find_packed_sequence_indices), and flash
+    attention into its variable-length kernel, so a segment never attends to the one before it.
+    """
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
+    if not isinstance(head, ChunkedLogprobHead):
+        raise TypeError("call install_chunked_head(model, chunk_size) before wrapping the model")
+    head.targets, head.temperature, head.with_entropy = targets, temperature, with_entropy
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # (B, T, 1 or 2)
+    finally:
+        head.targets = None
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
+def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
+                chunk_size: int, trained: bool = True, flash_attention: bool = False) -> dict[str, float]:
+    """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
+    built on the meta device to count its parameters). A planning estimate, not an allocator trace:
+    - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
+    - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
+      (`trained` False: LoRA, whose adapters are small enough to leave out);
+    - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
+      in flight, plus the root's embedding and head), 2 B per parameter (fp32 FSDP2: 4 B);
+    - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
+      16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
+      norms and activation); with checkpointing only each layer's input (hidden values per token)
+      plus one layer's full set while it is recomputed;
+    - attention mask: flash attention needs none; sdpa on packed rows builds a dense (T, T) boolean;
+    - logits: `chunk_size` x vocab fp32 values, about three live in a chunk's backward.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in meta.parameters())  # a tied head is counted once
+    root = meta.get_input_embeddings().weight.numel()
+    if meta.get_output_embeddings().weight is not meta.get_input_embeddings().weight:
+        root += meta.get_output_embeddings().weight.numel()
+    layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
+    act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
+    layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
+    if num_shards > 1:
+        compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
+    else:
+        compute_copy = 2 * params if bf16 else 0
+    plan = {
+        "weights": 4 * params / num_shards,
+        "gradients": 4 * params / num_shards if trained else 0,
+        "optimizer": 8 * params / num_shards if trained else 0,
+        "compute_copy": compute_copy,
+        "activations": layers * tokens * hidden * act_bytes + layer_acts if checkpointing else layers * layer_acts,
+        "attention_mask": 0 if flash_attention else rows * row_tokens ** 2,
+        "logits_chunk": 3 * 4 * min(chunk_size, tokens) * config.vocab_size,
+    }
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def device_memory_bytes(device, local_world_size: int) -> int:
+    """What one rank may use: the GPU's memory, or on CPU the machine's RAM split over the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
+
+
+def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
+    """The plan as one line; stops the run before anything loads when it cannot fit the device."""
+    gib = 2 ** 30
+    line = ", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items()) + f" GiB per rank; {available / gib:.1f} GiB available"
+    if plan["total"] > available:
+        raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
+    return f"memory plan: {line}"
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
@@ -354,11 +519,64 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool) -> None:
+    """Never mix two runs in one directory. A previous run's checkpoints or metrics there stop this one
+    unless --resume (continue it; with no checkpoint yet it starts fresh, so a preemptible job can
+    always pass it) or --overwrite_output_dir (start over: rank 0 deletes them first)."""
+    if resume and overwrite:
+        raise SystemExit("--resume continues the run in output_dir and --overwrite_output_dir deletes it: pass one")
+    found = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(output_dir, n))]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise SystemExit(f"{output_dir} holds a previous run ({', '.join(found)}): pass --resume to continue it, "
+                         "--overwrite_output_dir to start over (deletes its checkpoints), or another --output_dir")
+    if is_main:
+        for name in found:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+def publish_checkpoint(root: str, tmp: str, name: str) -> None:
+    """Make the complete temp dir `tmp` the checkpoint `name`: fsync it, rename it, then move `latest`
+    (each step atomic and on disk before the next, so a crash anywhere leaves a loadable latest)."""
+    fsync_dir(tmp)
+    final = os.path.join(root, name)
+    if os.path.exists(final):  # the same step saved again (after a resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    fd = os.open(root, os.O_RDONLY)  # the renames themselves
+    os.fsync(fd)
+    os.close(fd)
+
+
+def prune_checkpoints(root: str, keep: int, protect: str | None = None) -> None:
+    """Delete all but the newest `keep` checkpoints (keep <= 0: delete none). Never the one `latest` names, nor
+    `protect` (the one this run resumed from: a resumed run that goes wrong can still go back to it)."""
+    if keep <= 0:
+        return
+    steps = sorted((d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()), key=lambda d: int(d[5:]))
+    spared = {os.path.abspath(p) for p in (protect, latest_checkpoint(os.path.dirname(root))) if p}
+    for name in steps[:-keep]:
+        if os.path.abspath(os.path.join(root, name)) not in spared:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
     if not args.model_name_or_path or not args.dataset_mixer_list:
         raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
+    if not args.cache_reference_only:  # that writes only the reference cache, nothing into output_dir
+        check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
     if args.loss_type not in DEFAULT_BETA:
         raise SystemExit(f"unknown --loss_type {args.loss_type!r} (dpo | dpo_norm | simpo | ipo)")
     if args.beta is None:
@@ -397,15 +615,15 @@ def main():
     if not is_main:
         barrier()  # rank 0 fills the datasets cache first
 
-    def load_pairs(mixer_list: list[str]):
-        dataset = chat_template.load_mixture(mixer_list, seed=args.seed)
+    def load_pairs(mixer_list: list[str], splits: list[str]):
+        dataset = chat_template.load_mixture(mixer_list, split=splits, seed=args.seed)
         return chat_template.tokenize_preference(dataset, tokenizer, args.max_seq_length,
                                                  over_length_strategy=args.over_length_strategy,
                                                  chat_template=args.chat_template)
-    dataset, drops = load_pairs(args.dataset_mixer_list)
+    dataset, drops = load_pairs(args.dataset_mixer_list, args.dataset_mixer_list_splits)
     eval_dataset, eval_drops = None, {}
     if args.eval_dataset_mixer_list:
-        eval_dataset, eval_drops = load_pairs(args.eval_dataset_mixer_list)
+        eval_dataset, eval_drops = load_pairs(args.eval_dataset_mixer_list, args.eval_dataset_mixer_list_splits)
     elif args.eval_split_fraction > 0:
         split = dataset.train_test_split(test_size=args.eval_split_fraction, seed=args.seed)
         dataset, eval_dataset = split["train"], split["test"]
@@ -438,13 +656,36 @@ def main():
     resume_from = latest_checkpoint(args.output_dir) if args.resume else None
     if args.resume and resume_from is None and is_main:
         print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch")
-    # Weights stay fp32 (master weights); compute runs in bf16 on GPU through autocast (DDP) or
-    # FSDP2's mixed-precision policy. CPU trains in fp32. Always the initial weights here: the
-    # reference pass below needs them; resumed full weights are loaded after it.
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32, attn_implementation="sdpa")
+    # Always the initial weights here: the reference pass below needs them; resumed full weights are
+    # loaded after it.
+    weights_from = args.model_name_or_path
+    rows_per_forward = 2 * args.per_device_train_batch_size  # chosen and rejected in one forward
+    # Weights stay fp32 (master weights, fp32 optimizer state); with --bf16 (default on GPU) compute runs
+    # in bf16 through autocast (one rank, DDP) or FSDP2's mixed-precision policy (fp32 gradient reduction).
+    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
+    # Flash attention separates packed rows (restarting position ids) only at batch size 1; sdpa honours
+    # the block-diagonal mask that transformers derives from them at any batch size.
+    flash = device.type == "cuda" and args.per_device_train_batch_size == 1 and \
+        importlib.util.find_spec("flash_attn") is not None
+    available = device_memory_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+    def plan_for(shards: int) -> dict:
+        return memory_plan(AutoConfig.from_pretrained(args.model_name_or_path), args.max_seq_length, rows_per_forward,
+                           shards, bf16, args.gradient_checkpointing, args.logprob_chunk_size,
+                           trained=not args.use_lora, flash_attention=flash)
+    if device.type == "cuda" and world_size > 1 and not args.use_fsdp and plan_for(1)["total"] > available:
+        args.use_fsdp = True  # it would not fit one GPU: shard it
+    plan_line = check_memory_plan(plan_for(world_size if args.use_fsdp else 1), available,
+                                  "--gradient_checkpointing, --use_fsdp or more GPUs, a smaller --max_seq_length or "
+                                  "--per_device_train_batch_size, --use_lora, a smaller --logprob_chunk_size")
+    if is_main:
+        print(plan_line, flush=True)
+    model = AutoModelForCausalLM.from_pretrained(weights_from, dtype=torch.float32,
+                                                 attn_implementation="flash_attention_2" if flash else "sdpa")
     model.config.use_cache = False
     config = model.config
     non_embedding_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    install_chunked_head(model, args.logprob_chunk_size)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.use_lora:
@@ -455,13 +696,9 @@ def main():
             targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
             model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
-    model.to(device)
     torch.manual_seed(args.seed + rank)  # from here on each rank has its own RNG stream
-
-    param_bytes = sum(p.numel() for p in model.parameters()) * 4
-    if device.type == "cuda" and not args.use_fsdp and param_bytes * 4 > 0.7 * torch.cuda.get_device_properties(device).total_memory:
-        args.use_fsdp = True  # fp32 weights + grads + 2 Adam moments = 16 bytes per parameter: shard them
-    bf16 = device.type == "cuda"
+    if not args.use_fsdp:
+        model.to(device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
     if args.use_fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -475,10 +712,11 @@ def main():
         fully_shard(model, mesh=mesh, mp_policy=mp)
         train_model = model
     elif world_size > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if bf16 else None)
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None)
     else:
         train_model = model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
 
     def pair_logps(batch: dict, net=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen, rejected) logps reduced for the loss, each (B,), and their per-token means (eval, RPO)."""
@@ -589,7 +827,7 @@ def main():
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
-            if bf16 and rng.get("cuda") is not None:
+            if device.type == "cuda" and rng.get("cuda") is not None:
                 torch.cuda.set_rng_state(rng["cuda"])
 
     def save_hf(path: str, state_dict: dict) -> None:
@@ -611,22 +849,11 @@ def main():
                        os.path.join(tmp, "training_state.pt"))
         barrier()
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if bf16 else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
         barrier()
         if is_main:
-            fsync_dir(tmp)
-            final = os.path.join(root, name)
-            if os.path.exists(final):  # the same step saved again (after a resume): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            with open(os.path.join(root, "latest.tmp"), "w") as f:
-                f.write(name)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-            for old in os.listdir(root):  # only now, with the new one complete, drop the older ones
-                if old.startswith("step_") and old != name:
-                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+            publish_checkpoint(root, tmp, name)
+            prune_checkpoints(root, args.keep_last_n_checkpoints, protect=resume_from)  # the new one is complete
         barrier()
 
     def evaluate() -> dict:
@@ -674,8 +901,10 @@ def main():
         print(json.dumps({"args": asdict(args), "derived": derived}, indent=1, default=str))
         if args.report_to == "wandb":
             import wandb
-            wandb_run = wandb.init(project=args.wandb_project, dir=args.output_dir, config={**asdict(args), **derived},
-                                   mode=os.environ.get("WANDB_MODE", "offline"))
+            # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
+            mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+            wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                                   dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
     metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main else None
 
     def log(metrics: dict) -> None:

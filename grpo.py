@@ -32,8 +32,12 @@ Departures from the paper / open-instruct's grpo_fast.py, on purpose:
   weights: that staleness is part of the method (PipelineRL) and the lag metrics count it.
 - Prompts are sampled by learner 0 (checkpointed position); prompts in flight at a checkpoint are
   skipped on resume, not replayed.
-- The learner computes full-vocabulary logits per packed row (no chunked LM head): fine for small
-  vocabularies and short rows; a 100k vocabulary at 32K tokens needs chunking.
+- Scale (Olmo 3 7B think RL packs 2,048 + 32,768 = 35,840 tokens per learner row): the LM head and
+  log-softmax run over chunks of `--logprob_chunk_size` tokens, recomputed in backward, so no
+  (T, vocab) logits tensor exists; packed rows are separated by restarting position ids (varlen
+  flash attention on GPU), never by a hand-built (T, T) mask; bf16 compute with fp32 master weights
+  on GPU (`--bf16`); `--gradient_checkpointing`; and a memory plan is printed (and checked against
+  the device) before the model loads.
 - `--response_length_sampler exponential` is a BENCHMARK-ONLY knob: it draws each request's
   `max_tokens` from a capped exponential and sets `ignore_eos`, so response lengths are long-tailed
   (the paper's mean/max ~0.46) even for a random model. Never use it to train.
@@ -57,8 +61,11 @@ Launch (defaults are Olmo 3 / open-instruct grpo_fast values unless a comment sa
         grpo.py --num_learners 8 ...
 
 Outputs in `output_dir`: metrics.jsonl (one dict per step and per evaluation), summary.json (run
-totals for bench_infra.sh), checkpoints/step_N (HF model + tokenizer + training_state.pt), and
-wandb when `--report_to wandb` (offline unless WANDB_MODE says otherwise).
+totals for bench_infra.sh), checkpoints/step_N (HF model + tokenizer + training_state.pt; fsynced,
+`checkpoints/latest` names the newest, the newest --keep_last_n_checkpoints stay), and wandb when
+`--report_to wandb` (wandb's own mode: online when logged in, else offline; WANDB_MODE overrides).
+The final model is also written to `output_dir` itself in the HF layout (bf16 when training in bf16),
+like sft.py and dpo.py, so the next stage or an evaluation points at `output_dir`.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -95,35 +103,53 @@ class Args:
     # run and logging
     output_dir: str = field(default="output/grpo", metadata={"help": "Metrics, summary and checkpoints go here."})
     seed: int = field(default=1, metadata={"help": "Random seed (learner ranks add their rank)."})
-    report_to: str = field(default="none", metadata={"help": "'wandb' or 'none'. wandb runs offline unless WANDB_MODE is set."})
-    run_name: str = field(default="grpo", metadata={"help": "wandb run name."})
-    save_every: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end)."})
+    report_to: str = field(default="none", metadata={
+        "help": "'wandb' or 'none'. wandb's own mode: online when logged in, else offline; WANDB_MODE overrides."})
+    wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
+                                                                    "help": "wandb project name."})
+    wandb_entity: str | None = field(default=None, metadata={"help": "wandb team or user (default: your wandb default)."})
+    run_name: str = field(default="grpo", metadata={"aliases": ["--exp_name"], "help": "wandb run name."})
+    save_steps: int = field(default=0, metadata={
+        "aliases": ["--save_freq"], "help": "Checkpoint every N steps (0: only at the end; Olmo 3 7B Think RL: 25)."})
     resume: bool = field(default=False, metadata={"help": "Resume from the latest checkpoint in output_dir/checkpoints."})
-    eval_every: int = field(default=10, metadata={"help": "Evaluate every N steps, before the first and after the last (0: never)."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start over in an output_dir that holds a previous run (deletes its checkpoints and metrics)."})
+    keep_last_n_checkpoints: int = field(default=2, metadata={
+        "help": "Keep the newest N checkpoints (0: all); the one a --resume started from is never deleted."})
+    eval_every: int = field(default=10, metadata={"aliases": ["--local_eval_every"], "help": "Evaluate every N steps, before the first and after the last (0: never)."})
     eval_num_samples: int = field(default=4, metadata={"help": "k: samples per eval prompt, for pass@1 (mean) and pass@k."})
     # model and data
     model_name_or_path: str = field(default="toy_model", metadata={"help": "HF model directory or hub name (the SFT or DPO checkpoint)."})
     dataset_mixer_list: list[str] = field(default_factory=lambda: ["toy_data/rlvr.jsonl", "1.0"], metadata={"help": "RLVR sources and fractions/counts: `a.jsonl 1.0 org/b 500`. Rows: messages, ground_truth, verifier."})
-    eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={"help": "Held-out RLVR sources for evaluation (empty: no eval)."})
-    chat_template: str | None = field(default=None, metadata={"help": "Chat template name or path (default: the tokenizer's)."})
-    max_prompt_length: int = field(default=2048, metadata={"help": "Prompts longer than this are dropped (Olmo 3: 2048)."})
-    max_response_length: int = field(default=32768, metadata={"help": "Generation stops here; such samples are marked truncated (Olmo 3 Think: 32K)."})
+    dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
+        "help": "Split of each Hub source: one for all or one per source (Olmo 3: train)."})
+    eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={
+        "aliases": ["--dataset_mixer_eval_list"], "help": "Held-out RLVR sources for evaluation (empty: no eval)."})
+    eval_dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
+        "aliases": ["--dataset_mixer_eval_list_splits"], "help": "Split of each held-out Hub source (Olmo 3: train)."})
+    chat_template: str | None = field(default=None, metadata={
+        "aliases": ["--chat_template_name"], "help": "Chat template name or path (default: the tokenizer's)."})
+    max_prompt_length: int = field(default=2048, metadata={
+        "aliases": ["--max_prompt_token_length"], "help": "Prompts longer than this are dropped (Olmo 3: 2048)."})
+    max_response_length: int = field(default=32768, metadata={
+        "aliases": ["--response_length"],
+        "help": "Generation stops here; such samples are marked truncated (Olmo 3 Think: 32768)."})
     # algorithm (Olmo 3 / open-instruct grpo_fast defaults)
     num_training_steps: int = field(default=1000, metadata={"help": "Learner steps."})
-    num_unique_prompts_per_step: int = field(default=64, metadata={"help": "Groups with non-zero reward std per step, exactly (active sampling)."})
-    num_samples_per_prompt: int = field(default=8, metadata={"help": "Group size: completions per prompt (Olmo 3: 8)."})
+    num_unique_prompts_per_step: int = field(default=64, metadata={"aliases": ["--num_unique_prompts_rollout"], "help": "Groups with non-zero reward std per step, exactly (active sampling)."})
+    num_samples_per_prompt: int = field(default=8, metadata={"aliases": ["--num_samples_per_prompt_rollout"], "help": "Group size: completions per prompt (Olmo 3: 8)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (Olmo 3: 1.0)."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4 with --lr_schedule linear; 3e-4 degrades it)."})
-    lr_schedule: str = field(default="constant", metadata={"help": "'constant' or 'linear' decay to 0."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4 with --lr_scheduler_type linear; 3e-4 degrades it)."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "'constant' or 'linear' decay to 0 (Olmo 3: constant)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping."})
+    max_grad_norm: float = field(default=1.0, metadata={"aliases": ["--clip_grad_norm"], "help": "Gradient clipping."})
     num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per learner step (the batch split in this many)."})
     num_epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
-    clip_low: float = field(default=0.2, metadata={"help": "PPO clip epsilon below 1."})
-    clip_high: float = field(default=0.272, metadata={"help": "Clip-higher epsilon above 1 (DAPO; Olmo 3 code: 0.272)."})
-    tis_cap: float = field(default=2.0, metadata={"help": "Truncated importance sampling cap on exp(learner - vLLM logprob) (0: off)."})
+    clip_low: float = field(default=0.2, metadata={"aliases": ["--clip_lower"], "help": "PPO clip epsilon below 1 (Olmo 3: 0.2)."})
+    clip_high: float = field(default=0.272, metadata={"aliases": ["--clip_higher"], "help": "Clip-higher epsilon above 1 (DAPO; Olmo 3 code: 0.272)."})
+    tis_cap: float = field(default=2.0, metadata={"aliases": ["--truncated_importance_sampling_ratio_cap"], "help": "Truncated importance sampling cap on exp(learner - vLLM logprob) (0: off)."})
     beta: float = field(default=0.0, metadata={"help": "KL-to-reference coefficient, k3 estimator (Olmo 3 RLVR: 0)."})
-    advantage_normalization: str = field(default="centered", metadata={"help": "'centered' (reward - group mean, Olmo 3) or 'standard' (/ group std)."})
+    advantage_normalization: str = field(default="centered", metadata={"aliases": ["--advantage_normalization_type"], "help": "'centered' (reward - group mean, Olmo 3) or 'standard' (/ group std)."})
     async_steps: int = field(default=1, metadata={"help": "Off-policy bound K: tokens may come from policies at most K versions old (Olmo 3: 1)."})
     max_prompts_per_step_factor: int = field(default=20, metadata={"help": "Active sampling gives up (logged) after this many x num_unique_prompts_per_step prompts in one step."})
     # system
@@ -132,9 +158,20 @@ class Args:
     inflight_updates: bool = field(default=True, metadata={"help": "Load new weights between two engine steps without draining (off: drain, then load the newest weights that have arrived)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
-    enforce_eager: bool = field(default=False, metadata={"help": "vLLM without compilation: starts faster, generates slower."})
+    enforce_eager: bool = field(default=False, metadata={"aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
     pack_length: int = field(default=0, metadata={"help": "Tokens per packed learner row (0: max_prompt_length + max_response_length)."})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "Train in bf16: bf16 compute, fp32 master weights, optimizer state and gradient reduction (FSDP2 "
+                "mixed precision, or autocast with one learner). Default: on for GPU, off on CPU."})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "Recompute each decoder layer's activations in backward (Olmo 3 7B think RL: on)."})
+    logprob_chunk_size: int = field(default=1024, metadata={
+        "help": "Tokens per chunk of the LM head + log-softmax, recomputed in backward: logits memory is "
+                "chunk x vocab, never pack_length x vocab."})
     cpu_affinity: bool = field(default=True, metadata={"help": "CPU torchrun runs only: give each rank on a node its own share of the cores (actors bind vLLM's threads to theirs). Without it vLLM's engine process busy-polls its worker and starves the learner of a core."})
+    weight_dir: str = field(default="", metadata={
+        "help": "Where weight updates are staged for the engines (default /dev/shm, else $TMPDIR); needs room for one "
+                "copy of the weights."})
     timeout_s: float = field(default=1800.0, metadata={"help": "Longest wait between roles (data, weights) before failing with an error; must exceed the longest learner step (with eval and checkpoint)."})
     startup_timeout_s: float = field(default=1800.0, metadata={"help": "Longest wait for the actors' engines to start (vLLM compiles; slow on a busy CPU)."})
     probe_tolerance: float = field(default=0.0, metadata={"help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
@@ -144,6 +181,49 @@ class Args:
     peak_memory_bandwidth: float = field(default=0.0, metadata={"help": "Peak memory B/s per engine for MBU (0: datasheet / measured, like --peak_flops)."})
     response_length_sampler: str = field(default="none", metadata={"help": "BENCHMARK ONLY: 'exponential' draws max_tokens per request (capped at max_response_length) and ignores eos."})
     response_length_mean: int = field(default=0, metadata={"help": "BENCHMARK ONLY: mean of the exponential response length."})
+
+
+# Flags of open-instruct's Olmo 3 RL launch scripts (scripts/train/olmo3/7b_*_rl.sh, grpo_fast.py) that this
+# script does not take, with what to use instead; chat_template.COMMON_UNSUPPORTED_FLAGS adds the ones all
+# stages refuse. A `(values, message)` entry is taken when its values ask for what grpo.py does anyway.
+# open-instruct's names of the options we share are aliases in `Args` (see --help).
+UNSUPPORTED_FLAGS = {
+    "total_episodes": "use --num_training_steps: episodes = steps x num_unique_prompts_per_step x "
+                      "num_samples_per_prompt (Olmo 3 7B Think: 10000000 / (64 x 8) = 19531 steps)",
+    "num_learners_per_node": "use --num_learners, the total over nodes (8 8 -> 16): torchrun ranks "
+                             "[0, num_learners) learn, the others run one vLLM engine each",
+    "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
+                        "(engines = world size - num_learners)",
+    "vllm_tensor_parallel_size": ({"1"}, "each vLLM engine is one rank (tensor parallel size 1)"),
+    "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
+    "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
+    "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),
+    "max_token_length": "not needed here: prompts are limited by --max_prompt_length, responses by --max_response_length",
+    "non_stop_penalty": ({"false"}, "not supported: a response cut at --max_response_length keeps its verifier "
+                                    "reward (Olmo 3: False)"),
+    "non_stop_penalty_value": "not supported (see --non_stop_penalty)",
+    "mask_truncated_completions": ({"false"}, "not supported: truncated responses are trained like the others "
+                                              "(Olmo 3: False)"),
+    "ground_truths_key": ({"ground_truth"}, "rows must carry their label in `ground_truth`"),
+    "sft_messages_key": ({"messages"}, "rows must carry their prompt in `messages`"),
+    "apply_verifiable_reward": ({"", "true"}, "rewards always come from verifiers.py"),
+    "active_sampling": ({"", "true"}, "active sampling is always on"),
+    "no_resampling_pass_rate": "not supported: every prompt stays in the sampler's rotation",
+    "checkpoint_state_freq": "use --save_steps: every checkpoint holds the HF model and the whole training state",
+    "backend_timeout": "use --timeout_s (seconds)",
+    "allow_world_padding": ({"false"}, "batches are never padded to the world size"),
+    "use_fp8_kv_cache": ({"false"}, "the KV cache is kept in the model's dtype"),
+    "stop_strings": "not supported: generation stops at eos or --max_response_length",
+    "llm_judge_model": "set JUDGE_BASE_URL (an OpenAI-compatible endpoint, e.g. `vllm serve Qwen/Qwen3-32B`) and "
+                       "JUDGE_MODEL for verifiers.py's llm_judge",
+    "llm_judge_timeout": "not needed here: a row's whole scoring is bounded by --verifier_timeout (seconds)",
+    "llm_judge_max_tokens": "not needed here: verifiers.py's llm_judge asks for a JSON score of a few tokens",
+    "llm_judge_max_context_length": "not needed here: verifiers.py's llm_judge sends the first 8000 characters",
+    "code_api_url": "not needed here: code runs in verifiers.py's local sandbox",
+    "code_pass_rate_reward_threshold": "not supported: a code reward is the fraction of tests passed "
+                                       "(Olmo 3 used 0.99, all or nothing)",
+    "deepspeed_stage": "not needed here: with several learners FSDP2 shards the model by itself",
+}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -457,15 +537,14 @@ def split_bins(bins: list[list[dict]], num_learners: int) -> list[list[list[dict
 
 def collate_bin(rows: list[dict], pad_id: int = 0) -> dict:
     """One packed bin -> tensors over T positions, position t predicting token t + 1:
-    input_ids, position_ids (restart per row), seg (row index, for the block-causal mask), and on
+    input_ids, position_ids (restart per row: rows never attend to each other), and on
     predicting positions of response tokens: targets, mask, advantages, sampling logprobs."""
-    ids, pos, seg, tgt, msk, adv, slp = [], [], [], [], [], [], []
-    for i, r in enumerate(rows):
+    ids, pos, tgt, msk, adv, slp = [], [], [], [], [], []
+    for r in rows:
         seq = list(r["prompt_ids"]) + list(r["response_ids"])
         p, n = len(r["prompt_ids"]), len(seq)
         ids += seq
         pos += list(range(n))
-        seg += [i] * n
         nxt = seq[1:] + [pad_id]
         tgt += nxt
         is_resp = [1 if p - 1 <= t < n - 1 else 0 for t in range(n)]  # predicts a response token
@@ -474,29 +553,152 @@ def collate_bin(rows: list[dict], pad_id: int = 0) -> dict:
         lp = [0.0] * (p - 1) + list(r["sampling_logprobs"]) + [0.0]
         slp += lp
     if not rows:  # an empty pad bin: one dummy token, nothing trained
-        ids, pos, seg, tgt, msk, adv, slp = [pad_id], [0], [0], [pad_id], [0], [0.0], [0.0]
+        ids, pos, tgt, msk, adv, slp = [pad_id], [0], [pad_id], [0], [0.0], [0.0]
     t = torch.tensor
-    return {"input_ids": t(ids), "position_ids": t(pos), "seg": t(seg), "targets": t(tgt),
+    return {"input_ids": t(ids), "position_ids": t(pos), "targets": t(tgt),
             "mask": t(msk, dtype=torch.float32), "advantages": t(adv, dtype=torch.float32),
             "sampling_logprobs": t(slp, dtype=torch.float32)}
 
 
 def token_logprobs(model, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-    """Logprobs of the targets (T,) under the model, for one packed bin; rows do not attend to each
-    other (block-causal 4D mask: transformers does not infer it from position_ids on sdpa/eager)."""
+    """Logprobs of the targets (T,) of one packed bin, and their entropy (T,) or None. Rows attend only to
+    themselves through their restarting position ids (see `target_logprobs`): no (T, T) mask is built."""
     dev = next(model.parameters()).device
-    seg = batch["seg"].to(dev)
-    T = seg.numel()
-    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev)) & (seg[:, None] == seg[None, :])
-    logits = model(input_ids=batch["input_ids"][None].to(dev), position_ids=batch["position_ids"][None].to(dev),
-                   attention_mask=mask[None, None]).logits[0].float() / temperature  # (T, V)
-    logp = torch.log_softmax(logits, dim=-1)
-    out = logp.gather(-1, batch["targets"].to(dev)[:, None])[:, 0]
-    if not with_entropy:
-        return out, None
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return out, entropy
+    logprobs, entropy = target_logprobs(model, batch["input_ids"][None].to(dev), batch["position_ids"][None].to(dev),
+                                        batch["targets"][None].to(dev), temperature, with_entropy)
+    return logprobs[0], (entropy[0] if with_entropy else None)
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
+# logits tensor, and a memory plan printed before anything loads
+# -------------------------------------------------------------------------------------------------
+class ChunkedLogprobHead(torch.nn.Module):
+    """The LM head, swapped in for `model.lm_head`: returns each position's log-probability of its target
+    token (and, if asked, the entropy of its distribution) instead of its logits.
+
+    The logits are computed `chunk_size` tokens at a time and recomputed in the backward pass
+    (torch.utils.checkpoint), so peak memory grows with chunk_size x vocab, never tokens x vocab: at
+    35,840 tokens and Olmo 3's 100,278-token vocabulary, fp32 logits would be 14 GB per copy. It holds
+    the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
+    precision and checkpoints are unchanged; it runs inside the model's forward, where FSDP2 has
+    gathered the weight. With `targets` None it is the plain linear head (generation, saving).
+    """
+
+    def __init__(self, head: torch.nn.Linear, chunk_size: int):
+        super().__init__()
+        self.weight, self.bias, self.chunk_size = head.weight, head.bias, chunk_size
+        self.targets, self.temperature, self.with_entropy = None, 1.0, False
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, 1 or 2)
+        if self.targets is None:
+            return torch.nn.functional.linear(hidden, self.weight, self.bias)
+        from torch.utils.checkpoint import checkpoint
+
+        flat, targets = hidden.flatten(0, 1), self.targets.flatten().clamp(min=0)  # -100 -> any id; masked later
+        chunks = [checkpoint(self._chunk, flat[i:i + self.chunk_size], self.weight, targets[i:i + self.chunk_size],
+                             use_reentrant=False, preserve_rng_state=False)
+                  for i in range(0, flat.shape[0], self.chunk_size)]
+        logprobs = torch.cat([c[0] for c in chunks])
+        columns = [logprobs, torch.cat([c[1] for c in chunks])] if self.with_entropy else [logprobs]
+        return torch.stack(columns, -1).view(*hidden.shape[:2], len(columns))
+
+    def _chunk(self, hidden, weight, targets):
+        logits = torch.nn.functional.linear(hidden, weight, self.bias).float() / self.temperature  # (C, V)
+        norm = torch.logsumexp(logits, -1)
+        logprobs = logits.gather(-1, targets[:, None])[:, 0] - norm
+        entropy = None
+        if self.with_entropy:
+            with torch.no_grad():  # logged, never trained on
+                entropy = norm - (torch.softmax(logits, -1) * logits).sum(-1)
+        return logprobs, entropy
+
+
+def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
+    """Swap the model's LM head for a ChunkedLogprobHead (before FSDP2 or DDP wrap it)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, ChunkedLogprobHead):
+        head = ChunkedLogprobHead(head, chunk_size)
+        model.set_output_embeddings(head)
+    return head
+
+
+def target_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, with_entropy: bool = False):
+    """log p(targets[b, t] | tokens <= t) (B, T) and the entropy (B, T) or None, through the chunked head.
+
+    Packed rows need no mask: with `attention_mask=None`, transformers turns position ids that restart
+    at 0 into a block-diagonal causal mask (masking_utils.find_packed_sequence_indices), and flash
+    attention into its variable-length kernel, so a segment never attends to the one before it.
+    """
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
+    if not isinstance(head, ChunkedLogprobHead):
+        raise TypeError("call install_chunked_head(model, chunk_size) before wrapping the model")
+    head.targets, head.temperature, head.with_entropy = targets, temperature, with_entropy
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # (B, T, 1 or 2)
+    finally:
+        head.targets = None
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
+def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
+                chunk_size: int, trained: bool = True, flash_attention: bool = False) -> dict[str, float]:
+    """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
+    built on the meta device to count its parameters). A planning estimate, not an allocator trace:
+    - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
+    - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
+      (`trained` False: LoRA, whose adapters are small enough to leave out);
+    - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
+      in flight, plus the root's embedding and head), 2 B per parameter (fp32 FSDP2: 4 B);
+    - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
+      16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
+      norms and activation); with checkpointing only each layer's input (hidden values per token)
+      plus one layer's full set while it is recomputed;
+    - attention mask: flash attention needs none; sdpa on packed rows builds a dense (T, T) boolean;
+    - logits: `chunk_size` x vocab fp32 values, about three live in a chunk's backward.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in meta.parameters())  # a tied head is counted once
+    root = meta.get_input_embeddings().weight.numel()
+    if meta.get_output_embeddings().weight is not meta.get_input_embeddings().weight:
+        root += meta.get_output_embeddings().weight.numel()
+    layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
+    act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
+    layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
+    if num_shards > 1:
+        compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
+    else:
+        compute_copy = 2 * params if bf16 else 0
+    plan = {
+        "weights": 4 * params / num_shards,
+        "gradients": 4 * params / num_shards if trained else 0,
+        "optimizer": 8 * params / num_shards if trained else 0,
+        "compute_copy": compute_copy,
+        "activations": layers * tokens * hidden * act_bytes + layer_acts if checkpointing else layers * layer_acts,
+        "attention_mask": 0 if flash_attention else rows * row_tokens ** 2,
+        "logits_chunk": 3 * 4 * min(chunk_size, tokens) * config.vocab_size,
+    }
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def device_memory_bytes(device, local_world_size: int) -> int:
+    """What one rank may use: the GPU's memory, or on CPU the machine's RAM split over the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
+
+
+def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
+    """The plan as one line; stops the run before anything loads when it cannot fit the device."""
+    gib = 2 ** 30
+    line = ", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items()) + f" GiB per rank; {available / gib:.1f} GiB available"
+    if plan["total"] > available:
+        raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
+    return f"memory plan: {line}"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -606,8 +808,50 @@ def _watch_owner_in_worker(worker, owner_pid: int):
     _threading.Thread(target=watch, daemon=True).start()
 
 
-def shm_dir() -> str:
+def shm_dir(weight_dir: str = "") -> str:
+    """Where weight updates are staged for the engine: --weight_dir, else /dev/shm (memory), else $TMPDIR."""
+    if weight_dir:
+        return weight_dir
     return "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(os.environ.get("TMPDIR", "/tmp"))
+
+
+def check_weight_dir(path: str, model_path: str) -> None:
+    """Fail at startup, not at the first weight update minutes later, when the staging directory cannot
+    take one update: not writable, or less free space than the model's weights in bf16 (the learner
+    sends fp32 on CPU, twice that; a write that then runs out of space still fails with stage_weights'
+    message). The size comes from a local model's safetensors headers (a hub name is not checked)."""
+    probe = os.path.join(path, f".grpo_probe_{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.remove(probe)
+    except OSError as e:
+        raise RuntimeError(f"weight directory {path} is not writable ({e}); set --weight_dir") from None
+    numel = 0
+    for name in sorted(os.listdir(model_path)) if os.path.isdir(model_path) else []:
+        if name.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(model_path, name), "pt") as f:
+                numel += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    free = shutil.disk_usage(path).free
+    if free < 2 * numel:
+        raise RuntimeError(f"weight directory {path} has {free / 2 ** 20:.1f} MiB free, but one weight update of "
+                           f"{model_path} ({numel:,} parameters) needs {2 * numel / 2 ** 20:.1f} MiB in bf16 and "
+                           f"{4 * numel / 2 ** 20:.1f} MiB in fp32: point --weight_dir at a larger tmpfs or disk")
+
+
+def stage_weights(state: dict, path: str) -> None:
+    """Write one weight update for the engine to load. A failed write (a full disk) removes its partial
+    file and says where, instead of surfacing later as an engine that cannot load it."""
+    try:
+        torch.save(state, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        free = shutil.disk_usage(os.path.dirname(path)).free / 2 ** 20
+        raise RuntimeError(f"cannot stage a weight update in {os.path.dirname(path)} ({free:.1f} MiB free): {e}; "
+                           "point --weight_dir at a larger tmpfs or disk") from e
 
 
 def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
@@ -695,6 +939,7 @@ class Actor:
         self.stats_t = time.perf_counter()
         self.static_batch = math.ceil(args.num_unique_prompts_per_step / num_actors)  # prompts per static batch
         self.static_lens = []  # response lengths of the running static batch
+        self.busy_since = None  # when the call into the engine now running began (None: none runs)
 
     # -- requests -------------------------------------------------------------------------------
     def _sampling_params(self, kind: str):
@@ -731,7 +976,8 @@ class Actor:
         self.probe = None
         engine_lp = [d[ids[t]].logprob for t, d in enumerate(out.prompt_logprobs) if t > 0]
         diff = np.abs(np.array(engine_lp) - np.array(learner_lp))
-        tol = self.args.probe_tolerance or (2e-3 if self.dtype == torch.float32 else 5e-2)
+        exact = self.dtype == torch.float32 and not self.args.bf16  # both sides in fp32
+        tol = self.args.probe_tolerance or (2e-3 if exact else 5e-2)
         self.stats["probe_checks"] += 1
         self.stats["probe_mean_abs_diff"] = max(self.stats["probe_mean_abs_diff"], float(diff.mean()))
         self.stats["probe_max_abs_diff"] = max(self.stats["probe_max_abs_diff"], float(diff.max()))
@@ -866,7 +1112,9 @@ class Actor:
                 if drain_t0 is not None:
                     self.stats["drain_s"] += time.perf_counter() - drain_t0
                     drain_t0 = None
+                self.busy_since = time.monotonic()
                 self._apply_update(self._newest_update(next_update))
+                self.busy_since = None
                 next_update = None
             elif next_update is not None and drain_t0 is None:
                 drain_t0 = time.perf_counter()
@@ -893,7 +1141,9 @@ class Actor:
             t = time.perf_counter()
             if engine.has_unfinished_requests():
                 running = min(len(self.pending) + (self.probe is not None), args.max_num_seqs)
+                self.busy_since = time.monotonic()
                 outs = engine.step()
+                self.busy_since = None
                 self._process(outs)
                 if static and not self.pending and self.static_lens:  # the batch is done
                     self.stats["static_waste_sum"] += static_waste(self.static_lens)
@@ -957,11 +1207,37 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
             if not header.get("names"):  # the initial probe of the weights the engine loaded from disk
                 actor.updates.put(header)
                 continue
-            path = os.path.join(shm_dir(), f"grpo_{os.getpid()}_v{header['version']}.pt")
-            torch.save(state, path)
+            path = os.path.join(shm_dir(args.weight_dir), f"grpo_{os.getpid()}_v{header['version']}.pt")
+            stage_weights(state, path)
             actor.updates.put(dict(header, path=path, expected={k: (s, d) for k, s, d in header["names"]}))
 
-    threads = [guarded(prompts_in), guarded(groups_out), guarded(weights_in)]
+    def watchdog():
+        """The engine loop blocks inside vLLM while the engine process does not answer (stopped, hung, or
+        starved), and nothing else would ever end it: after --timeout_s in one engine call, or 5 s after
+        a link thread failed while one runs, report it to learner 0, kill the engine and exit."""
+        import psutil  # a vLLM dependency
+
+        while True:
+            time.sleep(1.0)
+            since = actor.busy_since
+            busy = time.monotonic() - since if since is not None else 0.0
+            if busy > args.timeout_s or (errors and busy > 5.0):
+                engine = [p.pid for p in psutil.Process().children(recursive=True)]
+                what = (f"actor rank {rank} (actor {actor.actor_id}): the vLLM engine (processes {engine}) has not "
+                        f"finished a call in {busy:.0f}s (--timeout_s {args.timeout_s:.0f}): stopped, hung or starved"
+                        + (f"; and {errors[0]}" if errors else ""))
+                print(f"[actor rank {rank}] FATAL: {what}", file=sys.stderr, flush=True)
+                if threads[1].is_alive():  # the data thread owns the link to learner 0: it sends the error
+                    outbox.put({"error": what})
+                    outbox.put(None)
+                    threads[1].join(timeout=10.0)
+                for pid in engine:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)  # a stopped process ignores anything gentler
+                os._exit(1)
+
+    threads = [guarded(prompts_in), guarded(groups_out), guarded(weights_in),
+               threading.Thread(target=watchdog, daemon=True)]
     for th in threads:
         th.start()
     outbox.put({"ready": rank})
@@ -992,6 +1268,7 @@ class Link:
     def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None):
         self.args, self.actor_ranks, self.groups, self.local = args, actor_ranks, groups, local_actor
         self.results = queue.Queue()
+        self.heard = {r: time.time() for r in actor_ranks}  # when each actor rank last sent anything
         self.closing = threading.Event()
         self.lock = threading.Lock()
         if local_actor is None:
@@ -1003,6 +1280,7 @@ class Link:
         try:
             while True:
                 msg = recv_obj(rank, self.groups["data"], wait)
+                self.heard[rank] = time.time()
                 wait = self.args.timeout_s
                 self.results.put(msg)
                 if "done" in msg or "error" in msg:
@@ -1010,6 +1288,14 @@ class Link:
         except Exception as e:
             if not self.closing.is_set():
                 self.results.put({"error": f"link to actor rank {rank}: {e}"})
+
+    def silent_actors(self) -> str:
+        """Who a timeout waited on: each actor rank and how long since it last sent anything."""
+        if self.local is not None:
+            return "the actor thread (colocated)"
+        now = time.time()
+        return ", ".join(f"actor rank {r} silent for {now - self.heard[r]:.0f}s"
+                         for r in sorted(self.heard, key=self.heard.get))
 
     def send_prompts(self, actor: int, prompts: list | None):
         if self.local is not None:
@@ -1023,8 +1309,8 @@ class Link:
         if self.local is not None:
             upd = dict(header)
             if state is not None:
-                upd["path"] = os.path.join(shm_dir(), f"grpo_{os.getpid()}_v{header['version']}.pt")
-                torch.save(state, upd["path"])
+                upd["path"] = os.path.join(shm_dir(self.args.weight_dir), f"grpo_{os.getpid()}_v{header['version']}.pt")
+                stage_weights(state, upd["path"])
                 upd["expected"] = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
             self.local.updates.put(upd)
         else:
@@ -1133,11 +1419,14 @@ class Dispatcher(threading.Thread):
 # main
 # -------------------------------------------------------------------------------------------------
 def main():
-    from transformers import HfArgumentParser
+    import chat_template
 
-    (args,) = HfArgumentParser(Args).parse_args_into_dataclasses()
+    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
+    if args.lr_scheduler_type not in ("constant", "linear"):
+        raise SystemExit(f"--lr_scheduler_type {args.lr_scheduler_type}: grpo.py has constant and linear")
     if args.response_length_sampler == "exponential" and args.response_length_mean <= 0:
         raise ValueError("--response_length_sampler exponential needs --response_length_mean > 0")
+    check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
 
     # ---------------------------------------------------------------------------------------------
     # Distributed setup (same block as sft.py / dpo.py) plus the role split
@@ -1168,9 +1457,17 @@ def main():
         for name in ("prompts", "data", "weights"):
             groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
         groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
-    ckpt_root = os.path.join(args.output_dir, "checkpoints")
-    latest = latest_checkpoint(ckpt_root) if args.resume else None
+    latest = latest_checkpoint(args.output_dir) if args.resume else None
+    if args.resume and latest is None and rank == 0:
+        print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch", flush=True)
     model_path = latest or args.model_name_or_path
+    if not is_learner or world_size == 1:  # the ranks that stage weight updates: fail now, not minutes later
+        try:
+            check_weight_dir(shm_dir(args.weight_dir), model_path)
+        except RuntimeError as e:
+            print(f"[rank {rank}] FATAL: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1204,13 +1501,28 @@ def main():
     os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
 
 
-def latest_checkpoint(root: str) -> str | None:
-    steps = [int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_") and d.split("_")[1].isdigit()] if os.path.isdir(root) else []
-    return os.path.join(root, f"step_{max(steps)}") if steps else None
+def check_rlvr_rows(dataset, flag: str, limit: int = 20) -> None:
+    """Stop before any training on rows that can never earn a reward, naming each by file and line: no
+    ground truth, malformed messages, an unknown verifier name, labels that do not fit the verifiers.
+    (Unchecked, an unknown verifier scores every sample 0 and the steps train on nothing.)"""
+    import chat_template
+    import verifiers
+
+    problems = {}
+    for row in dataset:
+        where = f"{row.get('source')}:{row.get('source_line')}"
+        if where not in problems:  # an upsampled source repeats its rows
+            problems[where] = chat_template.rlvr_row_problem(row) or verifiers.row_problem(
+                chat_template.rlvr_verifier(row), row.get("ground_truth"))
+    bad = [(where, reason) for where, reason in problems.items() if reason]
+    if bad:
+        shown = "".join(f"\n  {where}: {reason}" for where, reason in bad[:limit])
+        raise ValueError(f"{flag}: {len(bad)} row(s) can never be scored, so nothing was trained (fix or remove "
+                         f"them):{shown}" + (f"\n  ... and {len(bad) - limit} more" if len(bad) > limit else ""))
 
 
 def learner(args, rank, world_size, num_learners, is_main, device, groups, actor_ranks, latest, model_path) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import datasets
 
@@ -1222,24 +1534,48 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     # Model, optimizer, data
     # ---------------------------------------------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    pack_length = args.pack_length or args.max_prompt_length + args.max_response_length
+    bf16 = args.bf16 if args.bf16 is not None else device.startswith("cuda")
+    # Varlen flash attention separates packed rows by position ids with no mask at all; sdpa needs a
+    # (T, T) boolean one, which transformers builds from the same position ids.
+    flash = device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None
+    plan = memory_plan(AutoConfig.from_pretrained(model_path), pack_length, 1, num_learners, bf16,
+                       args.gradient_checkpointing, args.logprob_chunk_size, flash_attention=flash)
+    if args.beta > 0:  # the frozen reference: fp32, unsharded, on every learner
+        plan["reference"] = plan["weights"] * num_learners
+        plan["total"] += plan["reference"]
+    line = check_memory_plan(plan, device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+                             "--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, "
+                             "--bf16, a smaller --logprob_chunk_size")
+    if is_main:
+        print(f"[grpo] {line}", flush=True)
+    attn = "flash_attention_2" if flash else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn).to(device)
     model.config.use_cache = False
+    install_chunked_head(model, args.logprob_chunk_size)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if args.beta > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32).to(device).eval()
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32,
+                                                         attn_implementation=attn).to(device).eval()
         ref_model.requires_grad_(False)
-    if num_learners > 1:  # FSDP2: shard every decoder layer, then the root (DESIGN.md sec 5: works on gloo)
-        from torch.distributed.fsdp import fully_shard
+        install_chunked_head(ref_model, args.logprob_chunk_size)
+    if num_learners > 1:  # FSDP2: shard every decoder layer, then the root (works on gloo too)
         from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh(device.split(":")[0], list(range(num_learners)))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    # One learner: fp32 weights, bf16 matmuls through autocast. FSDP2 casts its own parameters.
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=bf16 and num_learners == 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     total = args.num_training_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 1.0 if args.lr_schedule == "constant" else max(0.0, 1.0 - s / max(1, total * args.num_mini_batches * args.num_epochs)))
+        optimizer, lambda s: 1.0 if args.lr_scheduler_type == "constant" else max(0.0, 1.0 - s / max(1, total * args.num_mini_batches * args.num_epochs)))
     start_step, position = 0, 0
     if latest:
         state = torch.load(os.path.join(latest, "training_state.pt"), weights_only=False)
@@ -1249,15 +1585,17 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
-    pack_length = args.pack_length or args.max_prompt_length + args.max_response_length
 
     train_ds = eval_ds = probe_ids = None
     if is_main:
-        raw = chat_template.load_mixture(args.dataset_mixer_list, seed=args.seed)
+        raw = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
+        check_rlvr_rows(raw, "--dataset_mixer_list")
         train_ds, drops = chat_template.tokenize_rlvr(raw, tokenizer, args.max_prompt_length, args.chat_template)
         if args.eval_dataset_mixer_list:
-            eval_ds, _ = chat_template.tokenize_rlvr(chat_template.load_mixture(args.eval_dataset_mixer_list, seed=args.seed),
-                                                     tokenizer, args.max_prompt_length, args.chat_template)
+            raw_eval = chat_template.load_mixture(args.eval_dataset_mixer_list, split=args.eval_dataset_mixer_list_splits,
+                                                  seed=args.seed)
+            check_rlvr_rows(raw_eval, "--eval_dataset_mixer_list")
+            eval_ds, _ = chat_template.tokenize_rlvr(raw_eval, tokenizer, args.max_prompt_length, args.chat_template)
         if len(train_ds) == 0:
             raise ValueError(f"no training prompts left after tokenization (dropped: {dict(drops)}); raise --max_prompt_length?")
         probe_ids = list(train_ds[0]["prompt_input_ids"]) + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False)
@@ -1289,7 +1627,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         else:
             link = Link(args, actor_ranks, groups, None)
         num_actors = max(1, len(actor_ranks))
-        logger = MetricsLogger(args)
+        logger = MetricsLogger(args, append=latest is not None)
     version = start_step
 
     def sync_weights(v: int, full: bool):
@@ -1305,7 +1643,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             with torch.no_grad():
                 batch = collate_bin([{"prompt_ids": ids[:1], "response_ids": ids[1:], "advantage": 0.0,
                                       "sampling_logprobs": [0.0] * (len(ids) - 1)}])
-                lp, _ = token_logprobs(model, batch)
+                with autocast:
+                    lp, _ = token_logprobs(model, batch)
             probe = lp[:-1].tolist()
         if is_main:
             link.send_weights({"version": v, "probe_ids": probe_ids, "probe_logprobs": probe}, state,
@@ -1329,7 +1668,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 if dispatcher.error:
                     raise RuntimeError(f"prompt dispatcher failed: {dispatcher.error}")
                 if time.time() > deadline:
-                    raise TimeoutError(f"no finished group from any actor in {timeout_s:.0f}s (--timeout_s)")
+                    raise TimeoutError(f"no finished group from any actor in {timeout_s:.0f}s (--timeout_s): "
+                                       f"{link.silent_actors()}")
                 continue
             while True:
                 if "error" in msg:
@@ -1444,12 +1784,12 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         model.train()
         mbs = [([collate_bin(b, tokenizer.pad_token_id or 0) for b in shares[rank]], ntok) for shares, ntok in plan]
         if args.num_mini_batches > 1 or args.num_epochs > 1:
-            with torch.no_grad():
+            with torch.no_grad(), autocast:
                 for bins, _ in mbs:
                     for b in bins:
                         b["old_logprobs"] = token_logprobs(model, b, args.temperature)[0]
         if ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), autocast:
                 for bins, _ in mbs:
                     for b in bins:
                         b["ref_logprobs"] = token_logprobs(ref_model, b, args.temperature)[0]
@@ -1457,7 +1797,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         for epoch in range(args.num_epochs):
             for bins, ntok in mbs:
                 for b in bins:
-                    new_lp, entropy = token_logprobs(model, b, args.temperature, with_entropy=True)
+                    with autocast:
+                        new_lp, entropy = token_logprobs(model, b, args.temperature, with_entropy=True)
                     old_lp = b.get("old_logprobs", new_lp.detach())
                     dev = new_lp.device
                     loss, stats = grpo_loss(new_lp[None], old_lp[None], b["sampling_logprobs"].to(dev)[None], b["advantages"].to(dev)[None],
@@ -1486,10 +1827,10 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         step_time = time.perf_counter() - t_step  # excludes evaluation and checkpointing (time/save)
         # ---- save
         save_time = 0.0
-        if args.save_every and (step + 1) % args.save_every == 0 or step + 1 == args.num_training_steps:
+        if args.save_steps and (step + 1) % args.save_steps == 0 or step + 1 == args.num_training_steps:
             t = time.perf_counter()
             save_checkpoint(args, model, tokenizer, optimizer, scheduler, step + 1, dispatcher.position if is_main else 0,
-                            is_main, num_learners, groups)
+                            is_main, num_learners, groups, protect=latest)
             save_time = time.perf_counter() - t
         # ---- log
         if is_main:
@@ -1512,6 +1853,14 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 if k in metrics:
                     totals[k2] = metrics[k]
             logger.log(step + 1, metrics)
+    # ---- the final model in output_dir, HF layout, as sft.py and dpo.py leave it: the next stage points here
+    t = time.perf_counter()
+    final_state = gather_full_state(model, num_learners)  # collective with several learners
+    if is_main:
+        save_final_model(args, model, tokenizer, final_state, bf16)
+        print(f"[grpo] saved the final model ({'bf16' if bf16 else 'fp32'}) to {args.output_dir} "
+              f"in {time.perf_counter() - t:.1f}s", flush=True)
+    del final_state
     # ---- final evaluation, summary, shutdown
     if is_main:
         final = {}
@@ -1603,15 +1952,17 @@ def rollout_metrics(batch, counts, lags, scored, stats_list, args) -> dict:
 class MetricsLogger:
     """One line to stdout, one JSON dict to metrics.jsonl and (optionally) wandb, per step."""
 
-    def __init__(self, args: Args):
-        os.makedirs(args.output_dir, exist_ok=True)
-        self.file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a")
+    def __init__(self, args: Args, append: bool = False):
+        os.makedirs(args.output_dir, exist_ok=True)  # append: a resumed run goes on with the same file
+        self.file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if append else "w")
         self.wandb, self.k = None, args.eval_num_samples
         if args.report_to == "wandb":
             import wandb
 
-            os.environ.setdefault("WANDB_MODE", "offline")
-            self.wandb = wandb.init(name=args.run_name, config=dataclasses.asdict(args), dir=args.output_dir)
+            # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
+            mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+            self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                                    config=dataclasses.asdict(args), dir=args.output_dir, mode=mode)
 
     def log(self, step: int, metrics: dict, kind: str = "train"):
         rec = {"step": step, "kind": kind, "time": time.time(), **metrics}
@@ -1695,9 +2046,103 @@ def load_optimizer(model, optimizer, state, num_learners):
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
 
 
-def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position, is_main, num_learners, groups):
-    """HF directory + tokenizer + training_state.pt, written to a temporary directory and renamed, so a
-    crash mid-write never leaves a half checkpoint behind as the latest one."""
+def latest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs never count."""
+    root = os.path.join(output_dir, "checkpoints")
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            path = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(path, "training_state.pt")):
+            return path
+    steps = [d for d in os.listdir(root) if d.startswith("step_")] if os.path.isdir(root) else []
+    steps = [d for d in steps if os.path.isfile(os.path.join(root, d, "training_state.pt"))]
+    return os.path.join(root, max(steps, key=lambda d: int(d.split("_")[1]))) if steps else None
+
+
+def fsync_dir(path: str) -> None:
+    """Flush every file under `path` and the directory entries themselves to disk (plumbing)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool) -> None:
+    """Never mix two runs in one directory. A previous run's checkpoints or metrics there stop this one
+    unless --resume (continue it; with no checkpoint yet it starts fresh, so a preemptible job can
+    always pass it) or --overwrite_output_dir (start over: rank 0 deletes them first)."""
+    if resume and overwrite:
+        raise SystemExit("--resume continues the run in output_dir and --overwrite_output_dir deletes it: pass one")
+    found = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(output_dir, n))]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise SystemExit(f"{output_dir} holds a previous run ({', '.join(found)}): pass --resume to continue it, "
+                         "--overwrite_output_dir to start over (deletes its checkpoints), or another --output_dir")
+    if is_main:
+        for name in found:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+def publish_checkpoint(root: str, tmp: str, name: str) -> None:
+    """Make the complete temp dir `tmp` the checkpoint `name`: fsync it, rename it, then move `latest`
+    (each step atomic and on disk before the next, so a crash anywhere leaves a loadable latest)."""
+    fsync_dir(tmp)
+    final = os.path.join(root, name)
+    if os.path.exists(final):  # the same step saved again (after a resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    fd = os.open(root, os.O_RDONLY)  # the renames themselves
+    os.fsync(fd)
+    os.close(fd)
+
+
+def prune_checkpoints(root: str, keep: int, protect: str | None = None) -> None:
+    """Delete all but the newest `keep` checkpoints (keep <= 0: delete none). Never the one `latest` names, nor
+    `protect` (the one this run resumed from: a resumed run that goes wrong can still go back to it)."""
+    if keep <= 0:
+        return
+    steps = sorted((d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()), key=lambda d: int(d[5:]))
+    spared = {os.path.abspath(p) for p in (protect, latest_checkpoint(os.path.dirname(root))) if p}
+    for name in steps[:-keep]:
+        if os.path.abspath(os.path.join(root, name)) not in spared:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def save_final_model(args, model, tokenizer, state: dict, bf16: bool) -> None:
+    """Weights (bf16 when training in bf16, else fp32), config, tokenizer and chat template, in output_dir."""
+    import chat_template
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if args.chat_template:  # the template trained with goes with the model, so inference renders the same way
+        tokenizer.chat_template = chat_template.get_template(args.chat_template)
+    trained_dtype, model.config.dtype = model.config.dtype, dtype  # config.json names the saved dtype
+    try:
+        model.save_pretrained(args.output_dir, state_dict=state)
+    finally:
+        model.config.dtype = trained_dtype
+    tokenizer.save_pretrained(args.output_dir)
+
+
+def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position, is_main, num_learners, groups,
+                    protect=None):
+    """HF directory + tokenizer + training_state.pt, written to a temporary directory, fsynced and renamed
+    (publish_checkpoint), so a crash mid-write never leaves a half checkpoint behind as the latest one.
+    Then all but the newest --keep_last_n_checkpoints go, never `protect` (the one this run resumed from)."""
     state = gather_full_state(model, num_learners)
     if num_learners == 1:
         opt_state = optimizer.state_dict()
@@ -1708,7 +2153,7 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
     if not is_main:
         return
     root = os.path.join(args.output_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp_step_{step}")
+    name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     unwrapped = model
@@ -1717,8 +2162,8 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
     torch.save({"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "sampler_position": position,
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
                 "args": dataclasses.asdict(args)}, os.path.join(tmp, "training_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    publish_checkpoint(root, tmp, name)
+    prune_checkpoints(root, args.keep_last_n_checkpoints, protect)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,14 @@ Outputs in `--output_dir`: the final model as a Hugging Face directory (weights,
 and its chat template; with `--use_lora` the peft adapter, and with `--merge_lora` also the merged
 model in `merged/`), `metrics.jsonl` (one JSON line per step), and `checkpoints/step_N/` (the HF
 directory plus `training_state.pt` and per-rank RNG files; `checkpoints/latest` names the newest
-complete one). `--resume` continues from it exactly: same data order, same schedule, same losses.
+complete one; the newest `--keep_last_n_checkpoints` stay). `--resume` continues from it exactly:
+same data order, same schedule, same losses. An output_dir that holds a previous run needs `--resume`
+(with no checkpoint yet it starts fresh) or `--overwrite_output_dir`.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -61,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 import chat_template
 
@@ -71,16 +74,29 @@ class Args:
     # --- run and logging ---
     output_dir: str = field(default="output/sft", metadata={"help": "final model, metrics.jsonl and checkpoints/ go here"})
     seed: int = field(default=42, metadata={"help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
-    report_to: str = field(default="none", metadata={"help": "none | wandb (offline unless WANDB_MODE=online)"})
-    wandb_project: str = field(default="olmo3-posttrain", metadata={"help": "wandb project name"})
+    report_to: str = field(default="none", metadata={
+        "help": "none | wandb (wandb's own mode: online when logged in, else offline; WANDB_MODE overrides)"})
+    wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
+                                                                    "help": "wandb project name"})
+    wandb_entity: str = field(default=None, metadata={"help": "wandb team or user (default: your wandb default)"})
+    run_name: str = field(default=None, metadata={"aliases": ["--exp_name"],
+                                                  "help": "wandb run name (default: wandb's)"})
     logging_steps: int = field(default=1, metadata={"help": "log a line and a metrics dict every N optimizer steps"})
-    save_steps: int = field(default=500, metadata={"help": "write a resumable checkpoint every N optimizer steps (0: never)"})
+    save_steps: int = field(default=500, metadata={"aliases": ["--checkpointing_steps"],
+                                                   "help": "write a resumable checkpoint every N optimizer steps (0: never)"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest (same args)"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "start over in an output_dir that holds a previous run (deletes its checkpoints and metrics)"})
+    keep_last_n_checkpoints: int = field(default=2, metadata={
+        "help": "keep the newest N checkpoints (0: all); the one a --resume started from is never deleted"})
     # --- model and data ---
     model_name_or_path: str = field(default=None, metadata={"help": "HF model directory or hub id (offline: a local dir)"})
     dataset_mixer_list: list[str] = field(default_factory=list, metadata={
         "help": "source / amount pairs: `a.jsonl 1.0 org/b 500` (a fraction <= 1 or a row count per source)"})
+    dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
+        "help": "split of each Hub source: one for all or one per source (Olmo 3: train)"})
     chat_template: str = field(default=None, metadata={
+        "aliases": ["--chat_template_name"],
         "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
     max_seq_length: int = field(default=4096, metadata={"help": "max tokens per conversation (and per packed row); Tulu 3: 4096"})
@@ -89,12 +105,14 @@ class Args:
         "help": "pack several conversations per row up to max_seq_length (attention never crosses them)"})
     # --- algorithm (defaults: Tulu 3 SFT, open-instruct finetune.py) ---
     num_train_epochs: int = field(default=2, metadata={"help": "passes over the data (Tulu 3: 2)"})
-    max_steps: int = field(default=-1, metadata={"help": "optimizer steps; overrides num_train_epochs when > 0"})
+    max_steps: int = field(default=-1, metadata={"aliases": ["--max_train_steps"],
+                                                 "help": "optimizer steps; overrides num_train_epochs when > 0"})
     learning_rate: float = field(default=5e-6, metadata={"help": "peak AdamW learning rate (Tulu 3 8B: 5e-6)"})
     lr_scheduler_type: str = field(default="linear", metadata={"help": "linear | cosine decay to 0 after warmup (Tulu 3: linear)"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "fraction of steps with linear warmup (Tulu 3: 0.03)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices; never on norms (Tulu 3: 0)"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm (<= 0: no clipping, still logged)"})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "aliases": ["--clip_grad_norm"], "help": "clip the global gradient norm (<= 0: no clipping, still logged)"})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "rows per micro-batch per rank"})
     gradient_accumulation_steps: int = field(default=16, metadata={
         "help": "micro-batches per optimizer step (Tulu 3: 1 x 16 x 8 GPUs = 128 sequences)"})
@@ -108,6 +126,32 @@ class Args:
     use_fsdp: bool = field(default=False, metadata={
         "help": "FSDP2: shard each decoder layer, then the root (automatic on GPU when weights + Adam do not fit)"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute activations in the backward pass"})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "bf16 compute with fp32 master weights, optimizer state and gradient reduction (autocast, or "
+                "FSDP2 mixed precision); default: on for GPU, off on CPU"})
+    logprob_chunk_size: int = field(default=1024, metadata={
+        "help": "tokens per chunk of the LM head + log-softmax, recomputed in backward: logits memory is "
+                "chunk x vocab, never sequence x vocab"})
+
+
+# Flags of the Olmo 3 SFT launch scripts (OLMo-core's, in open-instruct scripts/train/olmo3/7b_*_sft.sh) that
+# this script does not take, with what to use instead; chat_template.COMMON_UNSUPPORTED_FLAGS adds the ones
+# all stages refuse. open-instruct's names of options we share are aliases in `Args` (see --help).
+UNSUPPORTED_FLAGS = {
+    "trainer.max_duration.value": "use --num_train_epochs (Olmo 3 7B SFT: 2)",
+    "train_module.optim.lr": "use --learning_rate (Olmo 3 7B Think SFT: 5e-5, Instruct SFT: 8e-5)",
+    "trainer.callbacks.wandb.enabled": ({"false"}, "use --report_to wandb"),
+    "seq_len": "use --max_seq_length with --packing (OLMo-core packs conversations into rows of seq_len tokens; "
+               "Olmo 3: 32768)",
+    "global_batch_size": "a step here is per_device_train_batch_size x gradient_accumulation_steps x ranks rows "
+                         "(OLMo-core counts tokens: 1048576 = 32 packed rows of 32768)",
+    "launch.num_gpus": "launch with torchrun --nproc-per-node N",
+    "num_nodes": "launch with torchrun --nnodes N --node-rank R --rdzv-endpoint HOST:PORT",
+    "model_name": "use --model_name_or_path (an HF checkpoint directory or hub id)",
+    "dataset_path": "use --dataset_mixer_list SOURCE 1.0 with chat data (messages), e.g. allenai/Dolci-Think-SFT-7B; "
+                    "OLMo-core's pre-tokenized numpy files are not read",
+    "dataset_mixer_eval_list": "not needed here: sft.py has no held-out evaluation",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,13 +211,12 @@ def token_nll(model, batch: dict, device) -> torch.Tensor:
     """Per-token negative log-likelihood (B, T), 0 where the target is -100.
 
     No attention mask on purpose: with `attention_mask=None` (and no KV cache) transformers builds
-    the per-conversation causal mask from the restarting `position_ids` (see `collate`).
+    the per-conversation causal mask from the restarting `position_ids` (see `collate`). The LM
+    head runs in chunks (`target_logprobs`): no (B, T, V) logits tensor.
     """
-    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
-                   use_cache=False).logits  # (B, T, V)
     targets = batch["targets"].to(device)  # (B, T)
-    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
-    return nll.view_as(targets)
+    logprobs, _ = target_logprobs(model, batch["input_ids"].to(device), batch["position_ids"].to(device), targets)
+    return -logprobs * (targets != -100)
 
 
 # ALGORITHM: the SFT loss. Summed over this micro-batch's trained tokens and divided by the trained
@@ -186,6 +229,138 @@ def sft_loss(model, batch: dict, device, num_trained_tokens: int, world_size: in
     """Returns (loss to backpropagate, detached NLL sum of this micro-batch for logging)."""
     nll_sum = token_nll(model, batch, device).sum()
     return nll_sum * world_size / num_trained_tokens, nll_sum.detach()
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
+# logits tensor, and a memory plan printed before anything loads
+# -------------------------------------------------------------------------------------------------
+class ChunkedLogprobHead(torch.nn.Module):
+    """The LM head, swapped in for `model.lm_head`: returns each position's log-probability of its target
+    token (and, if asked, the entropy of its distribution) instead of its logits.
+
+    The logits are computed `chunk_size` tokens at a time and recomputed in the backward pass
+    (torch.utils.checkpoint), so peak memory grows with chunk_size x vocab, never tokens x vocab: at
+    35,840 tokens and Olmo 3's 100,278-token vocabulary, fp32 logits would be 14 GB per copy. It holds
+    the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
+    precision and checkpoints are unchanged; it runs inside the model's forward, where FSDP2 has
+    gathered the weight. With `targets` None it is the plain linear head (generation, saving).
+    """
+
+    def __init__(self, head: torch.nn.Linear, chunk_size: int):
+        super().__init__()
+        self.weight, self.bias, self.chunk_size = head.weight, head.bias, chunk_size
+        self.targets, self.temperature, self.with_entropy = None, 1.0, False
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, 1 or 2)
+        if self.targets is None:
+            return torch.nn.functional.linear(hidden, self.weight, self.bias)
+        from torch.utils.checkpoint import checkpoint
+
+        flat, targets = hidden.flatten(0, 1), self.targets.flatten().clamp(min=0)  # -100 -> any id; masked later
+        chunks = [checkpoint(self._chunk, flat[i:i + self.chunk_size], self.weight, targets[i:i + self.chunk_size],
+                             use_reentrant=False, preserve_rng_state=False)
+                  for i in range(0, flat.shape[0], self.chunk_size)]
+        logprobs = torch.cat([c[0] for c in chunks])
+        columns = [logprobs, torch.cat([c[1] for c in chunks])] if self.with_entropy else [logprobs]
+        return torch.stack(columns, -1).view(*hidden.shape[:2], len(columns))
+
+    def _chunk(self, hidden, weight, targets):
+        logits = torch.nn.functional.linear(hidden, weight, self.bias).float() / self.temperature  # (C, V)
+        norm = torch.logsumexp(logits, -1)
+        logprobs = logits.gather(-1, targets[:, None])[:, 0] - norm
+        entropy = None
+        if self.with_entropy:
+            with torch.no_grad():  # logged, never trained on
+                entropy = norm - (torch.softmax(logits, -1) * logits).sum(-1)
+        return logprobs, entropy
+
+
+def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
+    """Swap the model's LM head for a ChunkedLogprobHead (before FSDP2 or DDP wrap it)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, ChunkedLogprobHead):
+        head = ChunkedLogprobHead(head, chunk_size)
+        model.set_output_embeddings(head)
+    return head
+
+
+def target_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, with_entropy: bool = False):
+    """log p(targets[b, t] | tokens <= t) (B, T) and the entropy (B, T) or None, through the chunked head.
+
+    Packed rows need no mask: with `attention_mask=None`, transformers turns position ids that restart
+    at 0 into a block-diagonal causal mask (masking_utils.find_packed_sequence_indices), and flash
+    attention into its variable-length kernel, so a segment never attends to the one before it.
+    """
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
+    if not isinstance(head, ChunkedLogprobHead):
+        raise TypeError("call install_chunked_head(model, chunk_size) before wrapping the model")
+    head.targets, head.temperature, head.with_entropy = targets, temperature, with_entropy
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # (B, T, 1 or 2)
+    finally:
+        head.targets = None
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
+def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
+                chunk_size: int, trained: bool = True, flash_attention: bool = False) -> dict[str, float]:
+    """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
+    built on the meta device to count its parameters). A planning estimate, not an allocator trace:
+    - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
+    - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
+      (`trained` False: LoRA, whose adapters are small enough to leave out);
+    - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
+      in flight, plus the root's embedding and head), 2 B per parameter (fp32 FSDP2: 4 B);
+    - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
+      16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
+      norms and activation); with checkpointing only each layer's input (hidden values per token)
+      plus one layer's full set while it is recomputed;
+    - attention mask: flash attention needs none; sdpa on packed rows builds a dense (T, T) boolean;
+    - logits: `chunk_size` x vocab fp32 values, about three live in a chunk's backward.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in meta.parameters())  # a tied head is counted once
+    root = meta.get_input_embeddings().weight.numel()
+    if meta.get_output_embeddings().weight is not meta.get_input_embeddings().weight:
+        root += meta.get_output_embeddings().weight.numel()
+    layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
+    act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
+    layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
+    if num_shards > 1:
+        compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
+    else:
+        compute_copy = 2 * params if bf16 else 0
+    plan = {
+        "weights": 4 * params / num_shards,
+        "gradients": 4 * params / num_shards if trained else 0,
+        "optimizer": 8 * params / num_shards if trained else 0,
+        "compute_copy": compute_copy,
+        "activations": layers * tokens * hidden * act_bytes + layer_acts if checkpointing else layers * layer_acts,
+        "attention_mask": 0 if flash_attention else rows * row_tokens ** 2,
+        "logits_chunk": 3 * 4 * min(chunk_size, tokens) * config.vocab_size,
+    }
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def device_memory_bytes(device, local_world_size: int) -> int:
+    """What one rank may use: the GPU's memory, or on CPU the machine's RAM split over the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
+
+
+def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
+    """The plan as one line; stops the run before anything loads when it cannot fit the device."""
+    gib = 2 ** 30
+    line = ", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items()) + f" GiB per rank; {available / gib:.1f} GiB available"
+    if plan["total"] > available:
+        raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
+    return f"memory plan: {line}"
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
@@ -262,11 +437,63 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool, is_main: bool) -> None:
+    """Never mix two runs in one directory. A previous run's checkpoints or metrics there stop this one
+    unless --resume (continue it; with no checkpoint yet it starts fresh, so a preemptible job can
+    always pass it) or --overwrite_output_dir (start over: rank 0 deletes them first)."""
+    if resume and overwrite:
+        raise SystemExit("--resume continues the run in output_dir and --overwrite_output_dir deletes it: pass one")
+    found = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(output_dir, n))]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise SystemExit(f"{output_dir} holds a previous run ({', '.join(found)}): pass --resume to continue it, "
+                         "--overwrite_output_dir to start over (deletes its checkpoints), or another --output_dir")
+    if is_main:
+        for name in found:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+def publish_checkpoint(root: str, tmp: str, name: str) -> None:
+    """Make the complete temp dir `tmp` the checkpoint `name`: fsync it, rename it, then move `latest`
+    (each step atomic and on disk before the next, so a crash anywhere leaves a loadable latest)."""
+    fsync_dir(tmp)
+    final = os.path.join(root, name)
+    if os.path.exists(final):  # the same step saved again (after a resume): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    fd = os.open(root, os.O_RDONLY)  # the renames themselves
+    os.fsync(fd)
+    os.close(fd)
+
+
+def prune_checkpoints(root: str, keep: int, protect: str | None = None) -> None:
+    """Delete all but the newest `keep` checkpoints (keep <= 0: delete none). Never the one `latest` names, nor
+    `protect` (the one this run resumed from: a resumed run that goes wrong can still go back to it)."""
+    if keep <= 0:
+        return
+    steps = sorted((d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()), key=lambda d: int(d[5:]))
+    spared = {os.path.abspath(p) for p in (protect, latest_checkpoint(os.path.dirname(root))) if p}
+    for name in steps[:-keep]:
+        if os.path.abspath(os.path.join(root, name)) not in spared:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
-    args = HfArgumentParser(Args).parse_args_into_dataclasses()[0]
+    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
     if not args.model_name_or_path or not args.dataset_mixer_list:
         raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
+    check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
 
     # ---- setup (plumbing: the same block in every stage script) ---------------------------
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -298,7 +525,7 @@ def main():
         tokenizer.chat_template = chat_template.get_template(args.chat_template)
     if not is_main:
         barrier()  # rank 0 fills the datasets cache first
-    dataset = chat_template.load_mixture(args.dataset_mixer_list, seed=args.seed)
+    dataset = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
     dataset, drops = chat_template.tokenize_sft(dataset, tokenizer, args.max_seq_length,
                                                 over_length_strategy=args.over_length_strategy,
                                                 chat_template=args.chat_template)
@@ -331,15 +558,34 @@ def main():
     resume_from = latest_checkpoint(args.output_dir) if args.resume else None
     if args.resume and resume_from is None and is_main:
         print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch")
-    # Weights stay fp32 (master weights); compute runs in bf16 on GPU through autocast (DDP) or
-    # FSDP2's mixed-precision policy. CPU trains in fp32.
     weights_from = resume_from if (resume_from and not args.use_lora) else args.model_name_or_path
-    model = AutoModelForCausalLM.from_pretrained(weights_from, dtype=torch.float32, attn_implementation="sdpa")
-    # sdpa (and eager) honour the block-diagonal packed mask for any batch size. flash-attention's
-    # position-id varlen path only applies with batch size 1, so it is not offered here.
+    rows_per_forward = args.per_device_train_batch_size  # each row up to max_seq_length tokens
+    # Weights stay fp32 (master weights, fp32 optimizer state); with --bf16 (default on GPU) compute runs
+    # in bf16 through autocast (one rank, DDP) or FSDP2's mixed-precision policy (fp32 gradient reduction).
+    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
+    # Flash attention separates packed rows (restarting position ids) only at batch size 1; sdpa honours
+    # the block-diagonal mask that transformers derives from them at any batch size.
+    flash = device.type == "cuda" and args.per_device_train_batch_size == 1 and \
+        importlib.util.find_spec("flash_attn") is not None
+    available = device_memory_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+    def plan_for(shards: int) -> dict:
+        return memory_plan(AutoConfig.from_pretrained(args.model_name_or_path), args.max_seq_length, rows_per_forward,
+                           shards, bf16, args.gradient_checkpointing, args.logprob_chunk_size,
+                           trained=not args.use_lora, flash_attention=flash)
+    if device.type == "cuda" and world_size > 1 and not args.use_fsdp and plan_for(1)["total"] > available:
+        args.use_fsdp = True  # it would not fit one GPU: shard it
+    plan_line = check_memory_plan(plan_for(world_size if args.use_fsdp else 1), available,
+                                  "--gradient_checkpointing, --use_fsdp or more GPUs, a smaller --max_seq_length or "
+                                  "--per_device_train_batch_size, --use_lora, a smaller --logprob_chunk_size")
+    if is_main:
+        print(plan_line, flush=True)
+    model = AutoModelForCausalLM.from_pretrained(weights_from, dtype=torch.float32,
+                                                 attn_implementation="flash_attention_2" if flash else "sdpa")
     model.config.use_cache = False
     config = model.config
     non_embedding_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    install_chunked_head(model, args.logprob_chunk_size)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.use_lora:
@@ -351,15 +597,8 @@ def main():
             model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
     torch.manual_seed(args.seed + rank)  # from here on each rank has its own RNG stream
-
-    # fp32 weights (4 bytes per parameter) + grads and two Adam moments for the trained ones (12 more)
-    train_bytes = sum(4 * p.numel() + (12 * p.numel() if p.requires_grad else 0) for p in model.parameters())
-    if device.type == "cuda" and not args.use_fsdp and world_size > 1 and \
-            train_bytes > 0.7 * torch.cuda.get_device_properties(device).total_memory:
-        args.use_fsdp = True  # it would not fit one GPU: shard it
     if not args.use_fsdp:
         model.to(device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
-    bf16 = device.type == "cuda"
     if args.use_fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -373,10 +612,11 @@ def main():
         fully_shard(model, mesh=mesh, mp_policy=mp)
         train_model = model
     elif world_size > 1:
-        train_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if bf16 else None)
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None)
     else:
         train_model = model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
 
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
@@ -401,7 +641,7 @@ def main():
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
-            if bf16 and rng.get("cuda") is not None:
+            if device.type == "cuda" and rng.get("cuda") is not None:
                 torch.cuda.set_rng_state(rng["cuda"])
 
     def save_hf(path: str, state_dict: dict) -> None:
@@ -423,22 +663,11 @@ def main():
                        os.path.join(tmp, "training_state.pt"))
         barrier()
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if bf16 else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
         barrier()
         if is_main:
-            fsync_dir(tmp)
-            final = os.path.join(root, name)
-            if os.path.exists(final):  # the same step saved again (after a resume): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            with open(os.path.join(root, "latest.tmp"), "w") as f:
-                f.write(name)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-            for old in os.listdir(root):  # only now, with the new one complete, drop the older ones
-                if old.startswith("step_") and old != name:
-                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+            publish_checkpoint(root, tmp, name)
+            prune_checkpoints(root, args.keep_last_n_checkpoints, protect=resume_from)  # the new one is complete
         barrier()
 
     # ---- logging (plumbing) ---------------------------------------------------------------
@@ -455,8 +684,10 @@ def main():
         print(json.dumps({"args": asdict(args), "derived": derived}, indent=1, default=str))
         if args.report_to == "wandb":
             import wandb
-            wandb_run = wandb.init(project=args.wandb_project, dir=args.output_dir, config={**asdict(args), **derived},
-                                   mode=os.environ.get("WANDB_MODE", "offline"))
+            # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
+            mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+            wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                                   dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
     metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main else None
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="sft", dynamic_ncols=True)
 

@@ -1382,8 +1382,8 @@ def _sandbox_env() -> dict[str, str]:
 def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
                        uid: int) -> list[str]:
     binds, links, paths = _root_layout()
-    cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"), "uid": uid,
-           "userns": mode == "userns", "tmp_mb": tmp_mb, "shm_mb": shm_mb, "binds": binds, "links": links,
+    cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
+           "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb, "shm_mb": shm_mb, "binds": binds, "links": links,
            "paths": paths, "rlimits": rlimits, "argv": argv, "env": _sandbox_env()}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
@@ -1858,7 +1858,7 @@ def _stdio_tests(label: Any) -> list[tuple[str, str]]:
 
 
 def code_stdio(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: int = 1024,
-               budget: float | None = 8.0) -> VerifierResult:
+               budget: float | None = 8.0, allow_unsandboxed_code: bool = False) -> VerifierResult:
     """Fraction of stdin -> stdout tests passed; one sandboxed run per test, within `budget`
     seconds in all (tests not reached count as failed).
 
@@ -1871,6 +1871,9 @@ def code_stdio(response: str, label: Any, code_timeout: float = 5.0, code_memory
     program, failed = _check_code(response)
     if failed:
         return failed
+    refused = _refused(allow_unsandboxed_code)
+    if refused:
+        return refused
     deadline = time.monotonic() + (budget or float("inf"))
     passed, statuses = 0, []
     for stdin_text, expected in tests:
@@ -2091,7 +2094,8 @@ def _error_keys(result: VerifierResult) -> list[str]:
 # VerifierPool: processes with a hard per-row timeout
 
 
-def _worker_main(conn, kwargs):
+def _worker_main(conn, kwargs, sandbox=None):
+    _SANDBOX.update(sandbox or {})  # the parent's probe: no second probe, no second message
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we exit when the pipe closes
     try:  # die with our parent (the forkserver, which dies with the trainer)
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -2114,8 +2118,14 @@ class VerifierPool:
     trainer to log; `row_counts` counts rows per verifier."""
 
     def __init__(self, num_workers: int = 2, timeout: float = 10.0,
-                 preload: tuple[str, ...] = ("math_verify", "langdetect", "openai"), **verifier_kwargs):
+                 preload: tuple[str, ...] = ("math_verify", "langdetect", "openai"), allow_unsandboxed_code: bool = False,
+                 **verifier_kwargs):
         self.timeout = timeout
+        # The sandbox is probed here, once, and its mode handed to the workers; without isolation,
+        # code rows are refused ("sandbox_unavailable") unless allow_unsandboxed_code.
+        self.sandbox = _sandbox_state()
+        self.allow_unsandboxed_code = allow_unsandboxed_code
+        verifier_kwargs["allow_unsandboxed_code"] = allow_unsandboxed_code
         # Time-budgeted verifiers (code_stdio, llm_judge) stop a little before the hard kill, so
         # that a slow program scores 0 for its unfinished tests instead of losing the whole row.
         # The margin covers sandbox start-up, kill and clean-up on a loaded machine.
@@ -2141,7 +2151,7 @@ class VerifierPool:
 
     def _start_worker(self):
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.kwargs), daemon=True)
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.kwargs, self.sandbox), daemon=True)
         proc.start()
         child.close()
         worker = (proc, parent)
@@ -2154,6 +2164,7 @@ class VerifierPool:
         proc.join(5)
         conn.close()
         self._all.remove(worker)
+        cleanup_sandboxes(proc.pid)  # the work dir and cgroup of a run it was in the middle of
 
     def _score_one(self, row) -> VerifierResult:
         if isinstance(row, dict):
@@ -2193,12 +2204,23 @@ class VerifierPool:
             self.error_counts.update(keys)
         return result
 
+    def _warn_unsandboxed(self, rows: list) -> None:
+        if self.sandbox.get("mode") != "none" or not self.allow_unsandboxed_code:
+            return
+        names = " ".join(str(r["verifier"] if isinstance(r, dict) else r[0]) for r in rows)
+        if "code" in names or "stdio" in names:
+            logger.warning("!!! model-written code is running UNSANDBOXED as uid %d: it can read and write this "
+                           "user's files, reach the network and kill this process (allow_unsandboxed_code) !!!",
+                           os.getuid())
+
     async def ascore(self, rows: list) -> list[VerifierResult]:
         """Score rows concurrently (at most num_workers at a time); order is kept."""
+        self._warn_unsandboxed(rows)
         loop = asyncio.get_running_loop()
         return list(await asyncio.gather(*(loop.run_in_executor(self._threads, self._score_one, r) for r in rows)))
 
     def score(self, rows: list) -> list[VerifierResult]:
+        self._warn_unsandboxed(rows)
         return list(self._threads.map(self._score_one, rows))
 
     def close(self):
@@ -2235,8 +2257,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--judge_base_url", default=None, help="llm_judge: OpenAI-compatible base URL (or env JUDGE_BASE_URL)")
     p.add_argument("--judge_model", default=None, help="llm_judge: model name (or env JUDGE_MODEL; default the server's first)")
     p.add_argument("--judge_api_key", default=None, help="llm_judge: API key (or env JUDGE_API_KEY)")
+    p.add_argument("--allow_unsandboxed_code", action="store_true",
+                   help="code verifiers: run model-written code even where no sandbox is available (unisolated)")
     args = p.parse_args(argv)
     kwargs = {k: v for k, v in vars(args).items() if k.startswith("judge_") and v is not None}
+    kwargs["allow_unsandboxed_code"] = args.allow_unsandboxed_code
+    print(sandbox_description(), file=sys.stderr)
     response = sys.stdin.read()
     if args.timeout > 0:
         with VerifierPool(num_workers=1, timeout=args.timeout, preload=(), **kwargs) as pool:

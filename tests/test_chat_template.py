@@ -432,6 +432,38 @@ def test_tokenize_preference_and_rlvr(tok, toy_data_dir, tmp_path):
     assert tok.decode(think[0]["prompt_input_ids"]).endswith("<|im_start|>assistant\n<think>")
 
 
+def test_load_mixture_keeps_labels_exactly_as_written(tmp_path, toy_model_dir):
+    """One file that mixes string and list labels: `datasets` types such a column as JSON and decoded
+    every string in it, so "[1, 2]" became a list, "1e3" 1000.0 and "007" 7. Strings stay as written;
+    a list becomes its JSON text, which verifiers.py reads like the list. Rows keep their file line."""
+    labels = ["[1, 2]", "1e3", ["x", "y"], "007", 42, "plain", "{\"a\": 1}"]
+    path = tmp_path / "mixed.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"q{i}"}], "ground_truth": g, "verifier": "math"})
+             for i, g in enumerate(labels)]
+    for name, text in (("mixed.jsonl", "\n".join(lines) + "\n"), ("blank.jsonl", "\n\n".join(lines) + "\n")):
+        (tmp_path / name).write_text(text)
+        mix = ct.load_mixture([str(tmp_path / name), "1.0"])
+        got = {r["messages"][0]["content"]: (r["ground_truth"], r["source_line"]) for r in mix}
+        step = 1 if name == "mixed.jsonl" else 2  # blank lines between the rows
+        for i, g in enumerate(labels):
+            want = g if isinstance(g, str) else json.dumps(g)
+            assert got[f"q{i}"] == (want, 1 + i * step), (name, i, got[f"q{i}"])
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    ds, _ = ct.tokenize_rlvr(ct.load_mixture([str(path), "1.0"]), tok, 512, cache_dir="")
+    assert sorted(ds["ground_truth"]) == sorted(g if isinstance(g, str) else json.dumps(g) for g in labels)
+    import verifiers  # the JSON text of a list label scores like the list itself
+    assert verifiers.verify("math", "\\boxed{y}", json.dumps(["x", "y"])).score == \
+        verifiers.verify("math", "\\boxed{y}", ["x", "y"]).score == 1.0
+    # a file with only string labels (Dolci, the toy data) is read as before
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}], "ground_truth": "[3]"}) + "\n")
+    assert ct.load_mixture([str(plain), "1.0"])[0]["ground_truth"] == "[3]"
+    # a malformed row is reported with its file and line
+    (tmp_path / "bad.jsonl").write_text(lines[0] + "\n" + lines[1][:-1] + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+        ct.load_mixture([str(tmp_path / "bad.jsonl"), "1.0"])
+
+
 def test_load_mixture_fractions_counts_formats(tmp_path):
     rows = [{"messages": [{"role": "user", "content": str(i)}], "k": i} for i in range(10)]
     jsonl = tmp_path / "a.jsonl"

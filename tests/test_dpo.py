@@ -143,26 +143,17 @@ def test_collate_pairs_stacks_chosen_then_rejected_padded_to_one_width():
     assert batch["index"].tolist() == [1, 0] and batch["doc_lengths"] == [3, 4, 5, 3]
 
 
-class FixedLogits(torch.nn.Module):
-    """A stand-in LM whose logits are a fixed function of (position, token): enough to check the reduction."""
-
-    def __init__(self, vocab=10):
-        super().__init__()
-        self.vocab = vocab
-
-    def forward(self, input_ids, use_cache=False):
-        b, t = input_ids.shape
-        pos = torch.arange(t, dtype=torch.float32)[None, :, None]
-        tok = torch.arange(self.vocab, dtype=torch.float32)[None, None, :]
-        logits = torch.sin(pos * 0.7 + tok * 1.3) * 2 + input_ids[..., None].float() * 0.1
-        return type("Out", (), {"logits": logits})()
-
-
 def test_sequence_logps_sums_trained_tokens_only():
-    model = FixedLogits()
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Olmo3ForCausalLM(Olmo3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=1, num_key_value_heads=1)).eval()
     batch = dpo.collate_pairs([0, 1], PAIRS, pad_id=0)
-    sums, counts = dpo.sequence_logps(model, batch, torch.device("cpu"))
-    logits = model(batch["input_ids"]).logits
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits  # the full (2B, T, V) logits, for the hand sum
+        dpo.install_chunked_head(model, chunk_size=3)  # then the chunked head the trainer uses
+        sums, counts = dpo.sequence_logps(model, batch, torch.device("cpu"))
     for row, (ids, labels) in enumerate([(p[f"{s}_input_ids"], p[f"{s}_labels"]) for s in ("chosen", "rejected") for p in PAIRS]):
         expected, n = 0.0, 0
         for t in range(1, len(ids)):
@@ -261,6 +252,17 @@ def read_metrics(output_dir):
 
 
 # demo.sh's DPO stage (lr 1e-5, 16 pairs per step, 1 epoch), with 10% of the pairs held out.
+def test_reused_output_dir_stops_before_any_work(tmp_path):
+    """A previous run's metrics in output_dir stop dpo.py at once (no model or data is loaded: both are
+    bogus here) unless --resume or --overwrite_output_dir; --cache_reference_only writes nothing there."""
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "dpo.py"), "--model_name_or_path", "no_such_model",
+                          "--dataset_mixer_list", "no_such.jsonl", "1.0", "--output_dir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "holds a previous run (metrics.jsonl)" in out.stderr, out.stderr[-3000:]
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
 LEARN_ARGS = ["--dataset_mixer_list", "PREF", "1.0", "--eval_split_fraction", "0.1", "--max_seq_length", "256",
               "--loss_type", "dpo_norm", "--learning_rate", "1e-5", "--per_device_train_batch_size", "16",
               "--gradient_accumulation_steps", "1", "--num_train_epochs", "1", "--eval_steps", "50",

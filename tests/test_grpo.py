@@ -339,12 +339,17 @@ def test_pack_and_split():
     assert sorted(id(b) for s in shares for b in s if b) == sorted(id(b) for b in bins)
 
 
-def test_collate_masks_and_logprobs_match_unpacked():
+def _tiny_olmo3(vocab=128, layers=2):
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     torch.manual_seed(0)
-    model = Olmo3ForCausalLM(Olmo3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    return Olmo3ForCausalLM(Olmo3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def test_collate_masks_and_logprobs_match_unpacked():
+    model = _tiny_olmo3().eval()
+    grpo.install_chunked_head(model, chunk_size=5)
     a, b = _row(4, 3, adv=1.0), _row(2, 5, adv=-1.0)
     batch = grpo.collate_bin([a, b])
     # position t predicts t + 1: row a (7 tokens) trains positions 3, 4, 5; row b (7 tokens) 8..12
@@ -358,6 +363,192 @@ def test_collate_masks_and_logprobs_match_unpacked():
         for start, row in ((0, a), (7, b)):
             alone, _ = grpo.token_logprobs(model, grpo.collate_bin([row]))
             assert torch.allclose(packed[start:start + 6], alone[:6], atol=1e-5)  # rows do not see each other
+        # Control: the same tokens as one sequence (positions do not restart), so row b sees row a.
+        joined = dict(batch, position_ids=torch.arange(14))
+        seen, _ = grpo.token_logprobs(model, joined)
+    alone_b = grpo.token_logprobs(model, grpo.collate_bin([b]))[0][:6]
+    assert (seen[7:13] - alone_b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk_size):
+    """fp32: the chunked head (recomputed in backward) gives the full-logits log-softmax, and the same
+    gradients for every parameter, within 1e-5."""
+    model = _tiny_olmo3(vocab=96)
+    ids = torch.randint(0, 96, (2, 11))
+    targets = torch.randint(0, 96, (2, 11))
+    targets[0, -3:] = -100  # not trained: any id is gathered, then masked
+    weights = torch.randn(2, 11)
+    mask = targets != -100
+
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    full = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    full_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    ((full * weights)[mask]).sum().backward()
+    full_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    grpo.install_chunked_head(model, chunk_size)
+    assert "lm_head.weight" in dict(model.named_parameters())  # checkpoints and weight sync keep their names
+    chunked, entropy = grpo.target_logprobs(model, ids, None, targets, with_entropy=True)
+    ((chunked * weights)[mask]).sum().backward()
+    assert torch.allclose(chunked[mask], full[mask].detach(), atol=1e-5)
+    assert torch.allclose(entropy, full_entropy.detach(), atol=1e-5)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, full_grads[name], atol=1e-5), name
+    assert model(input_ids=ids).logits.shape == (2, 11, 96)  # outside target_logprobs: the plain head
+
+
+def test_bf16_learner_step_on_cpu():
+    """The bf16 path (autocast, fp32 master weights) runs a loss + backward + AdamW step on CPU and stays
+    within bf16 rounding of the fp32 logprobs."""
+    model = _tiny_olmo3()
+    grpo.install_chunked_head(model, 4)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = grpo.collate_bin([_row(4, 3, adv=1.0), _row(2, 5, adv=-1.0)])
+    with torch.no_grad():
+        fp32_lp, _ = grpo.token_logprobs(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        new_lp, entropy = grpo.token_logprobs(model, batch, with_entropy=True)
+    assert new_lp.dtype == torch.float32 and entropy is not None
+    assert (new_lp - fp32_lp).abs().max() < 0.1
+    loss, stats = grpo.grpo_loss(new_lp[None], new_lp.detach()[None], batch["sampling_logprobs"][None],
+                                 batch["advantages"][None], batch["mask"][None], 0.2, 0.272, 2.0)
+    loss.backward()
+    before = model.lm_head.weight.detach().clone()
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    assert not torch.equal(before, model.lm_head.weight)
+    assert stats["tokens"] == 8
+
+
+def test_memory_plan_hand_computed():
+    """Olmo 3 7B's shape, one 35,840-token row, 16 FSDP2 learners, bf16, checkpointing, flash attention."""
+    from transformers import Olmo3Config
+
+    config = Olmo3Config(vocab_size=100278, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+    plan = grpo.memory_plan(config, 35840, 1, 16, bf16=True, checkpointing=True, chunk_size=1024, flash_attention=True)
+    # Parameters by hand: per layer q, k, v, o 4 x 4096^2 + MLP 3 x 4096 x 11008, q/k norms 2 x 4096 and
+    # two layer norms 2 x 4096; embedding and head 2 x 100278 x 4096; the final norm 4096.
+    layer = 4 * 4096 ** 2 + 3 * 4096 * 11008 + 4 * 4096
+    root = 2 * 100278 * 4096
+    params = 32 * layer + root + 4096
+    assert plan["weights"] == 4 * params / 16
+    assert plan["gradients"] == 4 * params / 16 and plan["optimizer"] == 8 * params / 16
+    assert plan["compute_copy"] == pytest.approx(2 * (2 * (params - root) / 32 + root))
+    per_layer_token = 16 * 4096 + 4 * 11008
+    assert plan["activations"] == 32 * 35840 * 4096 * 2 + 35840 * per_layer_token * 2
+    assert plan["attention_mask"] == 0
+    assert plan["logits_chunk"] == 12 * 1024 * 100278
+    assert plan["total"] == pytest.approx(sum(v for k, v in plan.items() if k != "total"))
+    assert 25 * 2 ** 30 < plan["total"] < 35 * 2 ** 30  # about 29 GiB: fits an 80 GB GPU
+    # Without checkpointing the activations alone are 32 layers' full sets: about 245 GB.
+    no_ckpt = grpo.memory_plan(config, 35840, 1, 16, bf16=True, checkpointing=False, chunk_size=1024,
+                               flash_attention=True)
+    assert no_ckpt["activations"] == 32 * 35840 * per_layer_token * 2
+    with pytest.raises(SystemExit, match="gradient_checkpointing"):
+        grpo.check_memory_plan(no_ckpt, 80 * 10 ** 9, "--gradient_checkpointing")
+    assert grpo.check_memory_plan(plan, 80 * 10 ** 9, "--gradient_checkpointing").startswith("memory plan:")
+
+
+# -------------------------------------------------------------------------------------------------
+# Data safety: output_dir, checkpoints, RL rows
+# -------------------------------------------------------------------------------------------------
+def test_checkpoint_helpers_are_the_same_in_every_stage():
+    """One-file-per-stage: sft.py, dpo.py and grpo.py each carry these, and they must not drift apart."""
+    def functions(script):
+        text = open(os.path.join(REPO, script)).read()
+        return {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
+                if isinstance(node, ast.FunctionDef)}
+
+    stages = [functions(script) for script in ("sft.py", "dpo.py", "grpo.py")]
+    for name in ("latest_checkpoint", "fsync_dir", "check_output_dir", "publish_checkpoint", "prune_checkpoints"):
+        assert stages[0][name] == stages[1][name] == stages[2][name], name
+
+
+def test_save_checkpoint_fsyncs_points_latest_and_keeps_last_n(toy_model_dir, tmp_path, monkeypatch):
+    """grpo.py's checkpoints are written like sft.py's: a temp dir, fsynced, renamed, `latest` moved;
+    then only the newest --keep_last_n_checkpoints stay, plus the one the run resumed from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    synced = []
+    real_fsync_dir = grpo.fsync_dir
+    monkeypatch.setattr(grpo, "fsync_dir", lambda path: (synced.append(os.path.basename(path)), real_fsync_dir(path)))
+    out = str(tmp_path)
+    args = _args(output_dir=out, keep_last_n_checkpoints=2)
+    root = os.path.join(out, "checkpoints")
+    for step in (1, 2, 3, 4):
+        grpo.save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, 10 * step, True, 1, {},
+                             protect=os.path.join(root, "step_1"))
+        assert open(os.path.join(root, "latest")).read() == f"step_{step}"
+    assert synced == [".tmp-step_1", ".tmp-step_2", ".tmp-step_3", ".tmp-step_4"]  # each before its rename
+    assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3", "step_4"]  # step_1: resumed from
+    assert grpo.latest_checkpoint(out) == os.path.join(root, "step_4")
+    state = torch.load(os.path.join(root, "step_4", "training_state.pt"), weights_only=False)
+    assert state["step"] == 4 and state["sampler_position"] == 40
+
+
+def test_reused_output_dir_stops_at_once(tmp_path):
+    """A previous run's checkpoints in output_dir stop grpo.py before anything starts (the model name is
+    bogus: nothing is loaded) unless --resume or --overwrite_output_dir."""
+    (tmp_path / "checkpoints").mkdir()
+    out = subprocess.run([sys.executable, "grpo.py", "--model_name_or_path", "no_such_model", "--output_dir",
+                          str(tmp_path), "--dataset_mixer_list", "no_such.jsonl", "1.0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "holds a previous run (checkpoints)" in out.stderr, out.stderr[-3000:]
+
+
+def _rlvr_row(content="What is 1+1?", **kw):
+    row = {"messages": [{"role": "user", "content": content}], "ground_truth": "2", "verifier": "math"}
+    return json.dumps({**row, **kw})
+
+
+def test_bad_rlvr_rows_are_reported_by_file_and_line(tmp_path):
+    """Rows that can never earn a reward stop the run before training, each named by file and line:
+    an unknown verifier (every sample would score 0 and steps would train on nothing), labels that do not
+    fit the verifiers, no ground truth, malformed messages. Good rows, and an upsampled source, pass."""
+    import chat_template
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(_rlvr_row() + "\n" + _rlvr_row(verifier="string-matcher") + "\n")
+    grpo.check_rlvr_rows(chat_template.load_mixture([str(good), "3.0"]), "--dataset_mixer_list")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([
+        _rlvr_row(), _rlvr_row(verifier="mathh"), _rlvr_row(verifier=["math", "ifeval"]),
+        json.dumps({"messages": [{"role": "user", "content": "q"}], "verifier": "math"}),
+        _rlvr_row(content=None), _rlvr_row()]) + "\n")
+    with pytest.raises(ValueError) as e:
+        grpo.check_rlvr_rows(chat_template.load_mixture([str(good), "1.0", str(bad), "2.0"]), "--dataset_mixer_list")
+    msg = str(e.value)
+    assert "4 row(s)" in msg and str(good) not in msg, msg
+    assert f"{bad}:2: unknown verifier 'mathh'" in msg
+    assert f"{bad}:3: labels do not match the verifiers" in msg
+    assert f"{bad}:4: no ground_truth" in msg
+    assert f"{bad}:5: messages: missing_content" in msg
+
+
+@pytest.mark.slow
+def test_unknown_verifier_stops_the_run_before_training(toy_model_dir, tmp_path):
+    """The real script: a file whose verifier name is a typo ends the run before any engine starts or
+    any step runs, with the file and line (without the check the run trained on nothing)."""
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(_rlvr_row(f"What is {i}+1?") + "\n" for i in range(8)) + _rlvr_row(verifier="maths") + "\n")
+    out = str(tmp_path / "run")
+    t = time.time()
+    proc = subprocess.run([sys.executable, "grpo.py", "--model_name_or_path", toy_model_dir, "--output_dir", out,
+                           "--dataset_mixer_list", str(data), "1.0", "--enforce_eager", "--num_training_steps", "2",
+                           "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "2", "--eval_every", "0",
+                           "--max_prompt_length", "128", "--max_response_length", "16", "--timeout_s", "120"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"{data}:9: unknown verifier 'maths'" in text, text[-3000:]
+    assert time.time() - t < 120 and not os.path.exists(os.path.join(out, "checkpoints"))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -561,7 +752,7 @@ def _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path):
     its own session, logging to tmp_path/log.txt, and return once step 2 is saved: (out, proc, log)."""
     out = str(tmp_path / "run")
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "1000", "--eval_every", "0",
-                       "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--save_every", "1",
+                       "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--save_steps", "1",
                        "--max_prompts_per_step_factor", "2", "--timeout_s", "60")
     log = open(tmp_path / "log.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
@@ -615,7 +806,7 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
         "interrupted (signal 15)" in text and "Root Cause" in text and "rank      : 1" in text.split("Root Cause")[1]), text[-3000:]
     from transformers import AutoModelForCausalLM
 
-    last = grpo.latest_checkpoint(os.path.join(out, "checkpoints"))
+    last = grpo.latest_checkpoint(out)
     AutoModelForCausalLM.from_pretrained(last)
     state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
     assert state["step"] >= 2 and state["sampler_position"] > 0
@@ -645,7 +836,7 @@ def test_torchrun_ctrl_c_every_process_exits_checkpoint_intact(toy_model_dir, to
     assert "interrupted" in text, text[-3000:]
     from transformers import AutoModelForCausalLM
 
-    last = grpo.latest_checkpoint(os.path.join(out, "checkpoints"))
+    last = grpo.latest_checkpoint(out)
     AutoModelForCausalLM.from_pretrained(last)
     state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
     assert state["step"] >= 2 and state["sampler_position"] > 0
@@ -667,7 +858,7 @@ def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_dat
     def run(steps, *extra):
         _, cmd = _grpo_cmd(toy_sft_model_dir, toy_data_dir, out, "--num_learners", "2", "--num_training_steps", str(steps),
                            "--eval_every", "0", "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4",
-                           "--save_every", "1", "--max_prompts_per_step_factor", "40", "--timeout_s", "60", *extra)
+                           "--save_steps", "1", "--max_prompts_per_step_factor", "40", "--timeout_s", "60", *extra)
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "grpo.py", *cmd],
                               cwd=REPO, capture_output=True, text=True, timeout=400)
 

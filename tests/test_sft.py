@@ -55,6 +55,7 @@ def model(toy_model_dir):
     with torch.no_grad():  # a random init predicts almost uniformly; perturb so positions and context matter
         for p in m.parameters():
             p.add_(0.02 * torch.randn_like(p))
+    sft.install_chunked_head(m, chunk_size=7)  # a chunk size that divides no batch evenly
     return m.eval()
 
 
@@ -210,10 +211,66 @@ def test_latest_checkpoint_ignores_half_written_ones(tmp_path):
     assert sft.latest_checkpoint(str(tmp_path)) == str(root / "step_4")
 
 
+def test_check_output_dir_needs_resume_or_overwrite(tmp_path):
+    out = str(tmp_path)
+    sft.check_output_dir(out, resume=False, overwrite=False, is_main=True)  # an empty directory: fine
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="holds a previous run.*--resume.*--overwrite_output_dir"):
+        sft.check_output_dir(out, resume=False, overwrite=False, is_main=True)
+    sft.check_output_dir(out, resume=True, overwrite=False, is_main=True)  # continue: nothing deleted
+    sft.check_output_dir(out, resume=False, overwrite=True, is_main=False)  # only rank 0 deletes
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints").exists()
+    with pytest.raises(SystemExit, match="pass one"):
+        sft.check_output_dir(out, resume=True, overwrite=True, is_main=True)
+    sft.check_output_dir(out, resume=False, overwrite=True, is_main=True)
+    assert sorted(os.listdir(out)) == []
+
+
+def test_prune_checkpoints_keeps_the_newest_and_the_resumed_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4, 5, 10):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "training_state.pt").write_bytes(b"x")
+    (root / "latest").write_text("step_10")
+    sft.prune_checkpoints(str(root), 0)  # 0: keep them all
+    assert len(os.listdir(root)) == 7
+    sft.prune_checkpoints(str(root), 2, protect=str(root / "step_2"))
+    assert sorted(os.listdir(root)) == ["latest", "step_10", "step_2", "step_5"]  # by step number, not name
+    (root / "latest").write_text("step_5")  # `latest` always stays, even when it is not the newest
+    sft.prune_checkpoints(str(root), 1)
+    assert sorted(os.listdir(root)) == ["latest", "step_10", "step_5"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Slow: the real script
 # ---------------------------------------------------------------------------------------------
 STEPS = ["--max_steps", "6", "--save_steps", "3"]
+
+
+@pytest.mark.slow
+def test_output_dir_reuse_needs_resume_or_overwrite_and_keeps_last_n(toy_model_dir, toy_data_dir, tmp_path):
+    """--resume on an empty output_dir starts fresh (a preemptible job always passes it); a plain rerun
+    there stops before any work with a message; --resume continues from the newest checkpoint and never
+    deletes it while it keeps the newest --keep_last_n_checkpoints (2); --overwrite_output_dir starts over."""
+    out = str(tmp_path / "run")
+    ckpts = os.path.join(out, "checkpoints")
+    cmd = [sys.executable, "sft.py", "--model_name_or_path", toy_model_dir, "--dataset_mixer_list",
+           os.path.join(toy_data_dir, "sft.jsonl"), "1.0", *TINY, "--save_steps", "1", "--output_dir", out]
+    first = run(cmd + ["--max_steps", "4", "--resume"])
+    assert "starting from scratch" in first.stdout + first.stderr
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_3"]  # saved after steps 1, 2, 3
+    assert sorted(read_metrics(out)) == [1, 2, 3, 4]
+    t = time.time()
+    again = subprocess.run(cmd + ["--max_steps", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode != 0 and "holds a previous run" in again.stderr, again.stderr[-3000:]
+    assert time.time() - t < 60 and sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_3"]
+    resumed = run(cmd + ["--max_steps", "6", "--resume"])
+    assert "step_3" in resumed.stdout
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_3", "step_4", "step_5"]  # step_3: resumed from
+    assert open(os.path.join(ckpts, "latest")).read() == "step_5"
+    run(cmd + ["--max_steps", "2", "--overwrite_output_dir"])
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_1"] and sorted(read_metrics(out)) == [1, 2]
 
 
 @pytest.fixture(scope="module")
