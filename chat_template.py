@@ -1068,7 +1068,8 @@ def parse_stage_args(args_class, unsupported: dict | None = None, argv: list[str
     template = getattr(args, "chat_template", None)
     if template in OPEN_INSTRUCT_TEMPLATE_NAMES:
         if OPEN_INSTRUCT_TEMPLATE_NAMES[template] is not None:
-            raise SystemExit(f"--chat_template {template}: {OPEN_INSTRUCT_TEMPLATE_NAMES[template]}")
+            message = OPEN_INSTRUCT_TEMPLATE_NAMES[template]
+            raise SystemExit(f"--chat_template_name / --chat_template {template}: {message}")
         args.chat_template = None
     return args
 

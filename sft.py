@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import chat_template
 
@@ -235,45 +235,76 @@ def sft_loss(model, batch: dict, device, num_trained_tokens: int, world_size: in
 # PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
 # logits tensor, and a memory plan printed before anything loads
 # -------------------------------------------------------------------------------------------------
+class ChunkedLogprobs(torch.autograd.Function):
+    """Hidden states (N, H) and head weight (V, H) -> log p(target) (N,) and the entropy (N,) or None.
+
+    The logits exist one chunk of `chunk_size` tokens at a time: the forward keeps only its inputs and
+    each token's log-normalizer, and the backward recomputes each chunk's logits and turns them in place
+    into the gradient (softmax subtracted from the target's one-hot). Peak memory is one chunk x V fp32
+    tensor, never N x V: at 35,840 tokens and Olmo 3's 100,278-token vocabulary fp32 logits are 14 GB.
+    Matmuls run in autocast's dtype when autocast is on (bf16), softmax and its sums in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, temperature: float, with_entropy: bool):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        h, w = hidden.to(dtype), weight.to(dtype)
+        logprobs, norms = hidden.new_empty(len(h), dtype=torch.float32), hidden.new_empty(len(h), dtype=torch.float32)
+        entropy = hidden.new_empty(len(h), dtype=torch.float32) if with_entropy else None
+        for i in range(0, len(h), chunk_size):
+            logits = (h[i:i + chunk_size] @ w.T).float() / temperature  # (C, V)
+            norms[i:i + chunk_size] = norm = torch.logsumexp(logits, -1)
+            logprobs[i:i + chunk_size] = logits.gather(-1, targets[i:i + chunk_size, None])[:, 0] - norm
+            if with_entropy:  # H = log Z - sum p * logit, the sum as a batched dot product (no second (C, V))
+                probs = torch.softmax(logits, -1)
+                entropy[i:i + chunk_size] = norm - (probs[:, None, :] @ logits[:, :, None]).view(-1)
+        ctx.save_for_backward(h, w, targets, norms)
+        ctx.chunk_size, ctx.temperature, ctx.dtypes = chunk_size, temperature, (hidden.dtype, weight.dtype)
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        h, w, targets, norms = ctx.saved_tensors
+        step = ctx.chunk_size
+        grad_hidden, grad_weight = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for i in range(0, len(h), step):
+            g = grad_logprobs[i:i + step].float()
+            grad = (h[i:i + step] @ w.T).float().div_(ctx.temperature)  # the chunk's logits again (C, V)
+            grad.sub_(norms[i:i + step, None]).exp_().mul_(-g[:, None])  # d/dlogits of logp: one-hot - softmax
+            grad.scatter_add_(1, targets[i:i + step, None], g[:, None]).div_(ctx.temperature)
+            grad = grad.to(h.dtype)
+            grad_hidden[i:i + step] = grad @ w
+            grad_weight += (grad.T @ h[i:i + step]).float()
+        return grad_hidden.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None, None, None, None
+
+
 class ChunkedLogprobHead(torch.nn.Module):
     """The LM head, swapped in for `model.lm_head`: returns each position's log-probability of its target
-    token (and, if asked, the entropy of its distribution) instead of its logits.
+    token (and, if asked, its entropy) through `ChunkedLogprobs` instead of the (B, T, V) logits.
 
-    The logits are computed `chunk_size` tokens at a time and recomputed in the backward pass
-    (torch.utils.checkpoint), so peak memory grows with chunk_size x vocab, never tokens x vocab: at
-    35,840 tokens and Olmo 3's 100,278-token vocabulary, fp32 logits would be 14 GB per copy. It holds
-    the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
-    precision and checkpoints are unchanged; it runs inside the model's forward, where FSDP2 has
+    It holds the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
+    precision and checkpoints are unchanged, and it runs inside the model's forward, where FSDP2 has
     gathered the weight. With `targets` None it is the plain linear head (generation, saving).
     """
 
     def __init__(self, head: torch.nn.Linear, chunk_size: int):
         super().__init__()
-        self.weight, self.bias, self.chunk_size = head.weight, head.bias, chunk_size
+        if head.bias is not None:
+            raise ValueError("the chunked LM head supports heads without a bias (every Olmo, Llama, Qwen)")
+        self.weight, self.chunk_size = head.weight, chunk_size
         self.targets, self.temperature, self.with_entropy = None, 1.0, False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, 1 or 2)
         if self.targets is None:
-            return torch.nn.functional.linear(hidden, self.weight, self.bias)
-        from torch.utils.checkpoint import checkpoint
-
-        flat, targets = hidden.flatten(0, 1), self.targets.flatten().clamp(min=0)  # -100 -> any id; masked later
-        chunks = [checkpoint(self._chunk, flat[i:i + self.chunk_size], self.weight, targets[i:i + self.chunk_size],
-                             use_reentrant=False, preserve_rng_state=False)
-                  for i in range(0, flat.shape[0], self.chunk_size)]
-        logprobs = torch.cat([c[0] for c in chunks])
-        columns = [logprobs, torch.cat([c[1] for c in chunks])] if self.with_entropy else [logprobs]
+            return torch.nn.functional.linear(hidden, self.weight)
+        targets = self.targets.flatten().clamp(min=0)  # -100 (not trained) gathers any id; the caller masks it
+        logprobs, entropy = ChunkedLogprobs.apply(hidden.flatten(0, 1), self.weight, targets, self.chunk_size,
+                                                  self.temperature, self.with_entropy)
+        columns = [logprobs, entropy] if self.with_entropy else [logprobs]
         return torch.stack(columns, -1).view(*hidden.shape[:2], len(columns))
-
-    def _chunk(self, hidden, weight, targets):
-        logits = torch.nn.functional.linear(hidden, weight, self.bias).float() / self.temperature  # (C, V)
-        norm = torch.logsumexp(logits, -1)
-        logprobs = logits.gather(-1, targets[:, None])[:, 0] - norm
-        entropy = None
-        if self.with_entropy:
-            with torch.no_grad():  # logged, never trained on
-                entropy = norm - (torch.softmax(logits, -1) * logits).sum(-1)
-        return logprobs, entropy
 
 
 def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
@@ -317,7 +348,8 @@ def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool,
       norms and activation); with checkpointing only each layer's input (hidden values per token)
       plus one layer's full set while it is recomputed;
     - attention mask: flash attention needs none; sdpa on packed rows builds a dense (T, T) boolean;
-    - logits: `chunk_size` x vocab fp32 values, about three live in a chunk's backward.
+    - logits: `chunk_size` x vocab fp32 values, two live in a chunk's backward, plus the head's fp32
+      gradient accumulator (vocab x hidden).
     """
     from transformers import AutoModelForCausalLM
 
@@ -341,7 +373,7 @@ def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool,
         "compute_copy": compute_copy,
         "activations": layers * tokens * hidden * act_bytes + layer_acts if checkpointing else layers * layer_acts,
         "attention_mask": 0 if flash_attention else rows * row_tokens ** 2,
-        "logits_chunk": 3 * 4 * min(chunk_size, tokens) * config.vocab_size,
+        "logits_chunk": 2 * 4 * min(chunk_size, tokens) * config.vocab_size + 4 * config.vocab_size * hidden,
     }
     plan["total"] = sum(plan.values())
     return plan

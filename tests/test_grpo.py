@@ -4,6 +4,7 @@ an inflight weight update seen token by token, a colocated run within the off-po
 learner + actor, a killed actor, resume, two FSDP2 learners that resume."""
 
 import ast
+import contextlib
 import json
 import math
 import os
@@ -370,8 +371,8 @@ def test_collate_masks_and_logprobs_match_unpacked():
     assert (seen[7:13] - alone_b).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 64])
-def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk_size):
+@pytest.mark.parametrize("chunk_size, temperature", [(1, 1.0), (3, 1.0), (64, 1.0), (4, 0.7)])
+def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk_size, temperature):
     """fp32: the chunked head (recomputed in backward) gives the full-logits log-softmax, and the same
     gradients for every parameter, within 1e-5."""
     model = _tiny_olmo3(vocab=96)
@@ -381,7 +382,7 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk_size):
     weights = torch.randn(2, 11)
     mask = targets != -100
 
-    logits = model(input_ids=ids, use_cache=False).logits.float()
+    logits = model(input_ids=ids, use_cache=False).logits.float() / temperature
     full = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     full_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     ((full * weights)[mask]).sum().backward()
@@ -390,7 +391,7 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(chunk_size):
 
     grpo.install_chunked_head(model, chunk_size)
     assert "lm_head.weight" in dict(model.named_parameters())  # checkpoints and weight sync keep their names
-    chunked, entropy = grpo.target_logprobs(model, ids, None, targets, with_entropy=True)
+    chunked, entropy = grpo.target_logprobs(model, ids, None, targets, temperature, with_entropy=True)
     ((chunked * weights)[mask]).sum().backward()
     assert torch.allclose(chunked[mask], full[mask].detach(), atol=1e-5)
     assert torch.allclose(entropy, full_entropy.detach(), atol=1e-5)
@@ -441,7 +442,7 @@ def test_memory_plan_hand_computed():
     per_layer_token = 16 * 4096 + 4 * 11008
     assert plan["activations"] == 32 * 35840 * 4096 * 2 + 35840 * per_layer_token * 2
     assert plan["attention_mask"] == 0
-    assert plan["logits_chunk"] == 12 * 1024 * 100278
+    assert plan["logits_chunk"] == 8 * 1024 * 100278 + 4 * 100278 * 4096
     assert plan["total"] == pytest.approx(sum(v for k, v in plan.items() if k != "total"))
     assert 25 * 2 ** 30 < plan["total"] < 35 * 2 ** 30  # about 29 GiB: fits an 80 GB GPU
     # Without checkpointing the activations alone are 32 layers' full sets: about 245 GB.
@@ -843,6 +844,73 @@ def test_torchrun_ctrl_c_every_process_exits_checkpoint_intact(toy_model_dir, to
 
 
 @pytest.mark.slow
+def test_torchrun_weight_dir_too_small_fails_at_start(toy_model_dir, toy_data_dir, tmp_path):
+    """A 1 MB tmpfs as --weight_dir (one weight update of the toy model takes 14 MB): the run ends within
+    seconds with an error that names the directory and the room it needs, before any engine starts; it
+    does not hang, and does not crash at the first weight update minutes later. A write that runs out
+    of space anyway says where, and leaves no partial file behind."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(weights)], check=True)
+    try:
+        _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, str(tmp_path / "run"), "--num_training_steps", "3",
+                           "--eval_every", "0", "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "2",
+                           "--weight_dir", str(weights), "--timeout_s", "60")
+        t = time.time()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
+                              cwd=REPO, capture_output=True, text=True, timeout=600)
+        elapsed = time.time() - t
+        with pytest.raises(RuntimeError, match=f"cannot stage a weight update in {weights}"):
+            grpo.stage_weights({"w": torch.zeros(2 ** 19)}, str(weights / "w.pt"))  # 2 MB
+        assert os.listdir(weights) == []
+    finally:
+        subprocess.run(["umount", str(weights)], check=False)
+    text = proc.stdout + proc.stderr
+    print(f"exited {proc.returncode} after {elapsed:.1f}s")
+    assert proc.returncode != 0 and f"[rank 1] FATAL: weight directory {weights} has 1.0 MiB free" in text, text[-3000:]
+    assert "--weight_dir" in text and "starting vLLM" not in text
+    assert elapsed < 60  # measured: about 20 s, nearly all of it starting Python, torch and gloo
+
+
+@pytest.mark.slow
+def test_torchrun_stopped_engine_every_rank_fails_naming_the_actor(toy_model_dir, toy_data_dir, tmp_path):
+    """SIGSTOP the actor's vLLM engine processes mid-run (--timeout_s 60): nothing errors on its own (the
+    processes live, the gloo links stay up), yet every rank ends within about 70 s with an error that
+    names the actor, and the stopped engine processes do not outlive the run."""
+    out, proc, log = _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path)
+    engine = []
+    try:
+        text = open(tmp_path / "log.txt").read()
+        actor_pid = int(text.split("[actor rank 1] pid ")[1].split(":")[0])
+        engine = _descendants(actor_pid)
+        assert engine
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        t = time.time()
+        rc = proc.wait(timeout=180)
+        elapsed = time.time() - t
+        while any(os.path.exists(f"/proc/{p}") for p in engine):  # killed by the actor rank, not left stopped
+            assert time.time() - t < elapsed + 15, [p for p in engine if os.path.exists(f"/proc/{p}")]
+            time.sleep(0.5)
+    finally:
+        for pid in engine:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    text = open(tmp_path / "log.txt").read()
+    print(f"exited {rc} {elapsed:.1f}s after the SIGSTOP")
+    assert rc != 0 and elapsed < 80, (rc, elapsed, text[-3000:])
+    learner = [line for line in text.splitlines() if "[rank 0] FATAL" in line]
+    actor = [line for line in text.splitlines() if "[actor rank 1] FATAL" in line]
+    assert learner and "actor rank 1" in learner[0], text[-3000:]
+    assert actor and "vLLM engine" in actor[0] and "did not finish a call" in actor[0], text[-3000:]
+
+
+@pytest.mark.slow
 def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_data_dir, tmp_path):
     """torchrun, 2 learners (FSDP2 on gloo) + 1 actor: two steps with a checkpoint each, then --resume
     for one more. The resumed run loads the sharded optimizer from the full saved state (this hung
@@ -879,3 +947,28 @@ def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_dat
     resumed = list(adam_state(3))
     assert {int(s["step"]) for s in resumed} == {3}
     assert any(float(s["exp_avg"].norm()) > 0 for s in resumed)
+
+
+def test_final_model_goes_to_output_dir_in_hf_layout(toy_model_dir, tmp_path):
+    """save_final_model (the end of a run): weights, config, tokenizer and the trained template in output_dir,
+    in bf16 when training in bf16 (config.json says so), fp32 otherwise; the live model stays fp32."""
+    import chat_template
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    state = grpo.gather_full_state(model, 1)
+    for bf16, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        out = str(tmp_path / f"bf16_{bf16}")
+        grpo.save_final_model(grpo.Args(output_dir=out, chat_template="olmo3-think-release"), model, tok, state, bf16)
+        with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+            saved = {k: f.get_tensor(k) for k in f.keys()}
+        assert {v.dtype for v in saved.values()} == {dtype}
+        assert all(torch.equal(saved[k], state[k].to(dtype)) for k in saved)
+        assert AutoConfig.from_pretrained(out).dtype == dtype and model.dtype == torch.float32
+        assert AutoTokenizer.from_pretrained(out).chat_template == chat_template.TEMPLATES["olmo3-think-release"]
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        ids = torch.tensor([tok.encode("1+1=2")])
+        tol = 5e-2 if bf16 else 0.0
+        assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=tol, rtol=tol)
