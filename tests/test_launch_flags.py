@@ -375,3 +375,27 @@ def test_dataset_mixer_list_splits_pick_each_sources_split(tmp_path):
     assert sorted(chat_template.load_mixture([a, "1.0", b, "1.0"], split=["train"])["text"]) == ["a-train", "b-train"]
     with pytest.raises(ValueError, match="one per source"):
         chat_template.load_mixture([a, "1.0", b, "1.0"], split=["train", "test", "validation"])
+
+
+def test_readme_olmo3_think_commands_parse():
+    """The README's Olmo 3 7B Think SFT -> DPO -> RL commands parse, with the scripts' values."""
+    import os
+    import shlex
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        text = f.read()
+    block = text.split("### The Olmo 3 7B Think recipe")[1].split("```bash")[1].split("```")[0]
+    commands = {}
+    for line in block.replace("\\\n", " ").splitlines():
+        if "$TORCHRUN" in line and not line.lstrip().startswith("#"):
+            script, *argv = shlex.split(line.split("$TORCHRUN", 1)[1])
+            commands[script.removesuffix(".py")] = parse(script.removesuffix(".py"), argv)
+    sft_args, dpo_args, rl = commands["sft"], commands["dpo"], commands["grpo"]
+    assert (sft_args.num_train_epochs, sft_args.learning_rate, sft_args.max_seq_length, sft_args.packing) == (
+        2, 5e-5, 32768, True)
+    assert (dpo_args.loss_type, dpo_args.beta, dpo_args.learning_rate, dpo_args.gradient_accumulation_steps) == (
+        "dpo_norm", 5.0, 8e-8, 4)
+    assert (rl.num_learners, rl.num_samples_per_prompt, rl.num_unique_prompts_per_step, rl.max_response_length,
+            rl.pack_length, rl.async_steps, rl.clip_high, rl.save_steps, rl.eval_every) == (
+        16, 8, 64, 32768, 35840, 8, 0.272, 25, 50)
+    assert rl.num_training_steps == 10000000 // (64 * 8)
