@@ -399,3 +399,33 @@ def test_readme_olmo3_think_commands_parse():
             rl.pack_length, rl.async_steps, rl.clip_high, rl.save_steps, rl.eval_every) == (
         16, 8, 64, 32768, 35840, 8, 0.272, 25, 50)
     assert rl.num_training_steps == 10000000 // (64 * 8)
+
+
+@pytest.mark.slow
+def test_wandb_follows_its_own_mode_with_project_entity_and_run_name(toy_model_dir, toy_data_dir, tmp_path):
+    """No WANDB_MODE and no wandb login: the run is logged offline (wandb's own behaviour when not logged in),
+    under the given project, entity and run name; WANDB_MODE=disabled writes nothing."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"), OMP_NUM_THREADS="1")
+    runs = {}
+    for mode in (None, "disabled"):
+        out = str(tmp_path / f"run_{mode}")
+        cmd = [sys.executable, "sft.py", "--model_name_or_path", toy_model_dir, "--dataset_mixer_list",
+               os.path.join(toy_data_dir, "sft.jsonl"), "32", "--max_steps", "1", "--per_device_train_batch_size", "4",
+               "--gradient_accumulation_steps", "1", "--save_steps", "0", "--report_to", "wandb",
+               "--wandb_project_name", "olmo3-test", "--wandb_entity", "someone", "--exp_name", "flags-test",
+               "--output_dir", out]
+        result = subprocess.run(cmd, cwd=repo, env={**env, **({"WANDB_MODE": mode} if mode else {})},
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[mode] = glob.glob(os.path.join(out, "wandb", "offline-run-*"))
+    assert len(runs[None]) == 1 and runs["disabled"] == []
+    with open(glob.glob(os.path.join(runs[None][0], "run-*.wandb"))[0], "rb") as f:
+        record = f.read()
+    assert b"olmo3-test" in record and b"someone" in record and b"flags-test" in record
