@@ -13,9 +13,11 @@ from transformers import AutoTokenizer
 
 import chat_template as ct
 
-RELEASED = open(os.path.join(os.path.dirname(__file__), "data", "olmo3_released_instruct.jinja"), encoding="utf-8").read()
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+with open(os.path.join(os.path.dirname(__file__), "data", "olmo3_released_instruct.jinja"), encoding="utf-8") as f:
+    RELEASED = f.read()
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Wetter für eine Stadt", "parameters": CITY}},
          {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -49,7 +51,8 @@ CASES = {
     "environment_role_then_answer": ([USER, TWO_CALLS, ENV, RESULT, ANSWER], None, False),
     "system_with_tools": ([SYSTEM, USER, CALL_ONLY], TOOLS, False),
     "system_functions_string": ([{**SYSTEM, "functions": '[{"name": "now"}]'}, USER, CALL_ONLY], None, False),
-    "function_calls_string_last": ([USER, {"role": "assistant", "content": None, "function_calls": "now()"}], None, False),
+    "function_calls_string_last": ([USER, {"role": "assistant", "content": None, "function_calls": "now()"}], None,
+                                   False),
     "generation_prompt_after_user": ([USER], TOOLS, True),
 }
 
