@@ -331,7 +331,7 @@ class ChunkedLogprobHead(torch.nn.Module):
         logprobs, entropy = ChunkedLogprobs.apply(hidden.flatten(0, 1), self.weight, targets, self.chunk_size,
                                                   self.temperature, self.with_entropy)
         columns = [logprobs, entropy] if self.with_entropy else [logprobs]
-        return torch.stack(columns, -1).view(*hidden.shape[:2], len(columns))
+        return torch.stack([c.view(hidden.shape[:2]) for c in columns], -1)  # a new tensor, not a view
 
 
 def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
@@ -362,14 +362,16 @@ def target_logprobs(model, input_ids, position_ids, targets, temperature: float 
 
 
 def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
-                chunk_size: int, trained: bool = True, flash_attention: bool = False) -> dict[str, float]:
+                chunk_size: int, trained: bool = True, flash_attention: bool = False,
+                fsdp: bool | None = None) -> dict[str, float]:
     """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
     built on the meta device to count its parameters). A planning estimate, not an allocator trace:
     - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
     - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
       (`trained` False: LoRA, whose adapters are small enough to leave out);
     - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
-      in flight, plus the root's embedding and head), 2 B per parameter (fp32 FSDP2: 4 B);
+      in flight, plus the root's embedding and head; `fsdp` defaults to num_shards > 1), 2 B per
+      parameter (fp32 FSDP2: 4 B);
     - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
       16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
       norms and activation); with checkpointing only each layer's input (hidden values per token)
@@ -389,7 +391,7 @@ def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool,
     layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
     act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
     layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
-    if num_shards > 1:
+    if (num_shards > 1 if fsdp is None else fsdp):
         compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
     else:
         compute_copy = 2 * params if bf16 else 0

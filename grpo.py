@@ -178,6 +178,9 @@ class Args:
     probe_tolerance: float = field(default=0.0, metadata={"help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
     verifier_workers: int = field(default=2, metadata={"help": "Verifier processes."})
     verifier_timeout: float = field(default=10.0, metadata={"help": "Seconds per verifier row."})
+    allow_unsandboxed_code: bool = field(default=False, metadata={"help": (
+        "Run model-written code (code / code_stdio rows) even where no sandbox is available (no user "
+        "namespaces): as this user, with its files and network. Off: such rows are refused and counted.")})
     peak_flops: float = field(default=0.0, metadata={"help": "Peak FLOP/s per engine for MFU (0: datasheet on known GPUs, else measured, best of several reps). Pass the same value to runs you compare."})
     peak_memory_bandwidth: float = field(default=0.0, metadata={"help": "Peak memory B/s per engine for MBU (0: datasheet / measured, like --peak_flops)."})
     response_length_sampler: str = field(default="none", metadata={"help": "BENCHMARK ONLY: 'exponential' draws max_tokens per request (capped at max_response_length) and ignores eos."})
@@ -643,7 +646,7 @@ class ChunkedLogprobHead(torch.nn.Module):
         logprobs, entropy = ChunkedLogprobs.apply(hidden.flatten(0, 1), self.weight, targets, self.chunk_size,
                                                   self.temperature, self.with_entropy)
         columns = [logprobs, entropy] if self.with_entropy else [logprobs]
-        return torch.stack(columns, -1).view(*hidden.shape[:2], len(columns))
+        return torch.stack([c.view(hidden.shape[:2]) for c in columns], -1)  # a new tensor, not a view
 
 
 def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
@@ -674,14 +677,16 @@ def target_logprobs(model, input_ids, position_ids, targets, temperature: float 
 
 
 def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
-                chunk_size: int, trained: bool = True, flash_attention: bool = False) -> dict[str, float]:
+                chunk_size: int, trained: bool = True, flash_attention: bool = False,
+                fsdp: bool | None = None) -> dict[str, float]:
     """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
     built on the meta device to count its parameters). A planning estimate, not an allocator trace:
     - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
     - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
       (`trained` False: LoRA, whose adapters are small enough to leave out);
     - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
-      in flight, plus the root's embedding and head), 2 B per parameter (fp32 FSDP2: 4 B);
+      in flight, plus the root's embedding and head; `fsdp` defaults to num_shards > 1), 2 B per
+      parameter (fp32 FSDP2: 4 B);
     - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
       16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
       norms and activation); with checkpointing only each layer's input (hidden values per token)
@@ -701,7 +706,7 @@ def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool,
     layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
     act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
     layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
-    if num_shards > 1:
+    if (num_shards > 1 if fsdp is None else fsdp):
         compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
     else:
         compute_copy = 2 * params if bf16 else 0
@@ -1652,9 +1657,11 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     # ---------------------------------------------------------------------------------------------
     local_actor = link = dispatcher = pool = logger = None
     if is_main:
-        from verifiers import ANSWER_ERRORS, VerifierPool
+        from verifiers import ANSWER_ERRORS, VerifierPool, sandbox_description
 
-        pool = VerifierPool(num_workers=args.verifier_workers, timeout=args.verifier_timeout)
+        pool = VerifierPool(num_workers=args.verifier_workers, timeout=args.verifier_timeout,
+                            allow_unsandboxed_code=args.allow_unsandboxed_code)
+        print(f"[grpo] {sandbox_description()}", flush=True)
         if world_size == 1:
             results = queue.Queue()
             local_actor = Actor(args, model_path, 0, results.put, device, 1)

@@ -906,6 +906,7 @@ def test_torchrun_stopped_engine_every_rank_fails_naming_the_actor(toy_model_dir
     assert rc != 0 and elapsed < 80, (rc, elapsed, text[-3000:])
     learner = [line for line in text.splitlines() if "[rank 0] FATAL" in line]
     actor = [line for line in text.splitlines() if "[actor rank 1] FATAL" in line]
+    print(*learner[:1], *actor[:1], sep="\n")
     assert learner and "actor rank 1" in learner[0], text[-3000:]
     assert actor and "vLLM engine" in actor[0] and "did not finish a call" in actor[0], text[-3000:]
 
