@@ -76,6 +76,10 @@ The returned Counter also carries `cache_hit`, `cache_path`, `total`, `kept` and
 (`error_<ExceptionType>` for the unexpected). Mixtures of 20k+ rows tokenize with `num_proc` workers.
 RLVR prompts longer than `max_prompt_length` are dropped, or right-truncated with `truncate`.
 
+The stage scripts parse their flags with `parse_stage_args`: exact names (no prefix matching),
+open-instruct's names as aliases in each `Args`, and every other flag of open-instruct's Olmo 3 launch
+scripts refused with what to use instead (COMMON_UNSUPPORTED_FLAGS and each script's UNSUPPORTED_FLAGS).
+
 Command line (a stable contract; exit 2 on bad input):
 
     python chat_template.py list

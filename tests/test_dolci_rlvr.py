@@ -1,7 +1,8 @@
 """RL rows in the Dolci / open-instruct format load, tokenize and score for every verifier of the Olmo 3 RL mix.
 
-The format: `messages` (the prompt), `ground_truth`, and `dataset` naming the verifier ("math", "ifeval",
-"code", "general-quality", "general-quality_ref"), as strings or as one-element lists. The LM judge is a
+The format: `messages` (the prompt), `ground_truth`, and `dataset` naming the verifier, as strings or as
+one-element lists (allenai/Dolci-Think-RL-7B has lists; its names: "math", "ifeval", "code", "code_stdio",
+"general-quality", "general-quality_ref"). The LM judge is a
 local stand-in for an OpenAI-compatible server that answers {"score": 7} and records what it was asked.
 """
 
@@ -19,11 +20,13 @@ GOOD = {
     "math": "<think>6*7=42</think>\nSo the answer is \\boxed{42}.",
     "ifeval": "all of this answer is in lowercase letters.",
     "code": "```python\ndef add(a, b):\n    return a + b\n```",
+    "code_stdio": "```python\na, b = map(int, input().split())\nprint(a + b)\n```",
 }
 BAD = {
     "math": "<think>6*7=48</think>\nSo the answer is \\boxed{48}.",
     "ifeval": "This Answer Has Capitals.",
     "code": "```python\ndef add(a, b):\n    return a - b\n```",
+    "code_stdio": "```python\na, b = map(int, input().split())\nprint(a - b)\n```",
 }
 ROWS = [
     {"messages": [{"role": "user", "content": "What is 6*7? Put the answer in \\boxed{}."}],
@@ -33,6 +36,9 @@ ROWS = [
      "dataset": "ifeval"},
     {"messages": [{"role": "user", "content": "Write add(a, b) in Python."}],
      "ground_truth": json.dumps(["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]), "dataset": "code"},
+    {"messages": [{"role": "user", "content": "Read two integers and print their sum."}],
+     "ground_truth": json.dumps([{"input": "2 3\n", "output": "5\n"}, {"input": "-1 1\n", "output": "0\n"}]),
+     "dataset": "code_stdio"},
     {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Write a haiku about rain."}],
      "ground_truth": "", "dataset": "general-quality"},
     {"messages": [{"role": "user", "content": "What is the capital of France?"},
@@ -97,7 +103,7 @@ def test_dolci_rows_load_and_score_for_every_verifier(toy_model_dir, tmp_path, j
         prompt = tok.decode(row["prompt_input_ids"])
         assert prompt.endswith("<|im_start|>assistant\n") and "Paris." not in prompt
     assert sorted(by_name) == sorted(r["dataset"] for r in ROWS)
-    for name in ("math", "ifeval", "code"):
+    for name in ("math", "ifeval", "code", "code_stdio"):
         row = by_name[name]
         good = verifiers.verify_row(row["verifier"], GOOD[name], row["ground_truth"])
         bad = verifiers.verify_row(row["verifier"], BAD[name], row["ground_truth"])
