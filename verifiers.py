@@ -46,7 +46,7 @@ Errors are never a silent 0: the trainer counts them (`VerifierPool.error_counts
 sample. Reasons: "no_answer" and "syntax_error" (nothing gradable came out: `ANSWER_ERRORS`, which a
 trainer may prefer to score 0 rather than drop), "timeout", "worker_died", "bad_label",
 "unknown_verifier", "judge_unavailable", "judge_bad_output", "judge_bad_request",
-"sandbox_error", "exception:<Type>".
+"sandbox_error", "sandbox_unavailable", "exception:<Type>".
 
 Timeouts. SIGALRM only works in the main thread (DESIGN.md sec 6), and math-verify's own timeout is
 SIGALRM-based and, worse, returns False on timeout. So: `verify()` uses math-verify's timeout only
@@ -54,15 +54,23 @@ when it runs in the main thread with no alarm of the caller's pending, and repor
 the hard guarantee is `VerifierPool`, a process pool whose workers are killed and replaced when a
 row runs past `timeout` (C-level work such as a huge sympy power cannot be interrupted any other way).
 
-Sandbox (code, code_stdio). Each run is a fresh process in a fresh temporary directory with
-RLIMIT_CPU / AS / NPROC / FSIZE / NOFILE and a wall-clock limit; its process group is killed on
-timeout. When root with util-linux (`unshare`, `setpriv`, `prlimit`) it also runs in new network,
-pid and mount namespaces (no network; the whole process tree dies with it; private /tmp and
-/dev/shm) as an unprivileged uid (RLIMIT_NPROC does not bind root, so this is what bounds a fork
-bomb). Elsewhere it degrades to rlimits only and says so once. Tests are counted passed only by a
-random per-run sentinel printed after each assert, so an early exit cannot pass them. Not a defence
-against: a program that reads the harness's sentinel from its own process and forges it, or an
-object whose __eq__ always returns True.
+Sandbox (code, code_stdio). Each run starts in new pid, network, mount, ipc and uts namespaces
+(util-linux `unshare`): mode "namespace" when root (the program runs as a spare unprivileged uid),
+"userns" otherwise (an unprivileged user namespace, uid 65534 inside). Its root is built for it:
+the system dirs and the interpreter's prefixes (venv, conda env, base install, wherever they live)
+read-only, a tmpfs /tmp holding its files as its only writable place, a minimal /dev and its own
+/proc; nothing of the caller's (repository, checkpoints, /proc/<pid>/environ) is there. It is the
+pid namespace's init, so everything it starts (setsid, double forks) dies with it at its wall-clock
+limit, and with the caller when the caller is killed; what a killed pool worker leaves on disk is
+removed by the pool. A cgroup per run (where one can be made: root, or a delegated v2 subtree)
+bounds the memory (tmpfs included) and processes of the whole sandbox to `code_memory_mb` and 64;
+without one, 4 processes of a quarter of the budget each. With no usable namespaces (mode "none")
+code verifiers return "sandbox_unavailable" unless `allow_unsandboxed_code`. `sandbox_description()`
+says which mode this machine gets. Verdicts are decided here: for `code`, the sandbox only reports
+the values of the parts of each assert that need the program (`f(2)` of `assert f(2) == 4`) and
+this process compares them, so exiting early, forging output, patching builtins or `__eq__` cannot
+pass a test; tests whose asserts are not top-level statements (inside a loop or a function) are
+counted failed ("unsupported" in the details). For code_stdio this process compares stdout.
 
 Usage
 
@@ -320,8 +328,10 @@ def gsm8k(response: str, label: Any) -> VerifierResult:
 # ifeval: the 54 instruction types of open-instruct's IFEvalG (Google's 25 IFEval ones plus 29 of
 # its own), strict mode as its RL reward uses them, with their kwargs names. Behaviour follows that
 # reference, quirks included, so that rewards match it; the differences are:
-#   * no NLTK: sentences are split by `split_into_sentences` (no punkt download at run time) and
-#     words by `word_tokens`, a Penn-Treebank-style tokenizer written here;
+#   * no NLTK, whose punkt model downloads at run time: where the reference splits sentences with punkt
+#     (number_sentences, and inside word_tokenize), `punkt_sentences` approximates it with the common
+#     abbreviations and sentence starters of punkt's English model; `word_tokens` applies NLTK's Penn
+#     Treebank rules to those sentences. Ids that use IFEval's regex splitter use `split_into_sentences`;
 #   * a kwarg the reference draws at random when missing gets a fixed value from the same range
 #     (so the score is the reference's whenever the draw cannot change it), and a missing word to
 #     look for counts as absent from the response;
@@ -358,53 +368,113 @@ def split_into_sentences(text: str) -> list[str]:
     return sentences
 
 
-# Words that end in a period without ending a sentence (punkt's English abbreviations, the common ones).
-_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof inc ltd co corp vs etc e.g i.e u.s u.k a.m p.m no fig "
-                           "jan feb mar apr jun jul aug sep sept oct nov dec gen col lt sgt capt rev mt ft approx "
-                           "dept est".split())
-_CLOSERS = "])}>\"'\u201d\u2019\u00bb"
-_CONTRACTIONS = re.compile(r"(?i)\b(can)(not)\b|\b(gon|wan)(na)\b|\b(got)(ta)\b|\b(gim|lem)(me)\b")
-_CLITIC = re.compile(r"(?i)(?<=[^' ])('s|'m|'d|'ll|'re|'ve|n't|')(?= )")
+# Words that end in a period without ending a sentence: the common ones of punkt's English abbreviations.
+_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof inc ltd co corp vs u.s u.k u.n d.c a.m p.m ph.d jan feb aug "
+                           "sep sept oct nov dec gen col lt ft calif ave messrs".split())
+_CLOSERS = "])}>\"'\u00bb\u201d\u2019"  # may follow a sentence's final period
+_ENDERS = frozenset(".?!" + _CLOSERS)  # the last character of a word that may end a sentence
+_OPEN_DOUBLE = re.compile(r"(?m)^\"|(?<=[ (\[{<])(?:\"|'')")
+_OPEN_SINGLE = re.compile(r"(?i)(?<!\w)'(?!(?:re|ve|ll|m|t|s|d|n)\b)(?=\w)")
+_PADDED = re.compile(r"\.{2,}|--|[;@#$%&\u2012-\u2015?!*\[\](){}<>]")
+_CLITICS = re.compile(r"(?<=[^' ])('[sSmMdD]|'|'ll|'LL|'re|'RE|'ve|'VE|n't|N'T)(?= )")
+_CONTRACTIONS = re.compile(r"(?i)\b(?:(can)(not)|(d)('ye)|(gim|lem)(me)|(gon)(na)|(got)(ta)|(more)('n))\b"
+                           r"|\b(wan)(na)(?=\s)| ('t)(is|was)\b")
 
 
-def _ends_sentence(word: str) -> bool:
+# Capitalized, these end a sentence even after an abbreviation (punkt's English sentence starters).
+_SENTENCE_STARTERS = frozenset("according although among both but despite even he however i if in indeed instead it "
+                               "many meanwhile moreover most nevertheless nonetheless nor sales separately similarly "
+                               "since so some the there these they this though thus under when while yet".split())
+
+
+def _ortho_starts_sentence(word: str) -> bool | None:
+    """Whether the word looks like a sentence's first: punkt's orthographic evidence, guessed without its corpus
+    statistics (a lowercase word or a punctuation mark does not; a capitalized common word does)."""
+    if not word[:1].isalpha():
+        return False if word[:1] in ";:,.!?" else None
+    if word[:1].islower():
+        return False
+    return True if word.lower().rstrip(".,;:!?\"')]") in _SENTENCE_STARTERS else None
+
+
+def _ends_sentence(word: str, next_word: str) -> bool:
+    """Whether punkt would end a sentence after this word, approximately: after a final
+    period, unless it is an ellipsis, an abbreviation, an initial or a number that the next word does not show
+    to be the end of a sentence."""
     core = word.rstrip(_CLOSERS)
     if not core.endswith(".") or core.endswith(".."):
         return False
     stem = core[:-1].lstrip(_CLOSERS + "([{<\u201c\u2018`").lower()
-    return bool(stem) and stem not in _ABBREVIATIONS and not (len(stem) == 1 and stem.isalpha())
+    if not stem:
+        return False
+    starts = _ortho_starts_sentence(word[len(core):] or next_word)  # a closing bracket or quote comes next
+    if re.fullmatch(r"-?[.,]?\d[\d,.-]*", stem):  # a number: only a lowercase word or a mark keeps the sentence
+        return starts is not False
+    if len(stem) == 1 and stem.isalpha():  # an initial: some are listed abbreviations; a name may follow
+        return stem not in "cdefghklmnprstvw" and (starts is True or starts is None and not next_word[:1].isupper())
+    if stem in _ABBREVIATIONS or stem.split("-")[-1] in _ABBREVIATIONS:
+        return starts is True
+    return True
 
 
-def _split_final_period(sentence: str) -> str:
-    """A sentence's last period (before closing quotes/brackets) is a token of its own."""
-    s = sentence.rstrip()
-    core = s.rstrip(_CLOSERS)
-    if core.endswith(".") and len(core) > 1 and core[-2] != ".":
-        return core[:-1] + " . " + s[len(core):] + " "
-    return s + " "
+# A sentence's last period, before closing quotes/brackets and spaces (sentences are lines here).
+_FINAL_PERIOD = re.compile(r"(?m)(?<=[^.\n])\.(?=[\]\)}>\"'\u00bb\u201d\u2019 ]*+[^\S\n]*$)")
 
 
-def _tokenize_sentence(sentence: str) -> list[str]:
-    s = re.sub(r'(?<=[ (\[{<])"', " `` ", " " + sentence)  # an opening double quote
-    s = _split_final_period(s)
-    s = re.sub("([\u00ab\u201c\u2018\u201e]|`+)", r" \1 ", s)
-    s = re.sub(r",(?!\d)|:(?!\d)|\.{2,}|--|[;@#$%&?!*\[\](){}<>]", lambda m: f" {m.group(0)} ", s)
-    s = re.sub("([\u00bb\u201d\u2019])", r" \1 ", s).replace('"', " '' ")
-    s = re.sub(r"(?i)'(?!re|ve|ll|m|t|s|d|n)(?=\w\b)", "' ", s)  # a quote before a one-letter word
-    s = _CLITIC.sub(r" \1", re.sub(r"\s+", " ", s))
-    s = _CONTRACTIONS.sub(lambda m: " ".join(g for g in m.groups() if g), s)
-    return s.split()
+def _treebank_tokens(lines: str) -> list[str]:
+    """Tokens of sentences given one a line, by the Penn Treebank rules as NLTK's word tokenizer applies them
+    to each sentence, in its order (all lines at once: a rule anchored at a sentence's start or end uses ^ / $)."""
+    s = re.sub("([\u00ab\u201c\u2018\u201e]|`+)", r" \1 ", lines)
+    s = _OPEN_DOUBLE.sub(" `` ", s.replace("``", " `` "))
+    s = _FINAL_PERIOD.sub(" . ", _OPEN_SINGLE.sub("' ", s))
+    s = re.sub(r"(?m)([:,])$", r" \1 ", re.sub(r"([:,])([^\d])", r" \1 \2", s))  # not inside 1,000 or 10:30
+    s = re.sub(r"([^'])' ", r"\1 ' ", _PADDED.sub(r" \g<0> ", s))
+    s = re.sub("([\u00bb\u201d\u2019])", r" \1 ", " " + s + " ").replace("''", " '' ").replace('"', " '' ")
+    s = _CLITICS.sub(r" \1", re.sub(r"\s+", " ", s))
+    return _CONTRACTIONS.sub(lambda m: " " + " ".join(g for g in m.groups() if g) + " ", s).split()
+
+
+# Whitespace-separated words, also cut after a period that punkt sees as ending a sentence before a mark ("bold.**").
+_WORD_PIECES = re.compile(r"\S*?\.(?=[?!;*:@({\[])|\S+")
+
+
+def _split_trailing_marks(last: str) -> list[str]:
+    """At the end of the text punkt cuts a word after its last '.', '?' or '!' that another mark follows
+    ("Really??" -> "Really??", "?"), unless only closing quotes/brackets are left."""
+    cuts = [m.end() for m in re.finditer(r"[.?!](?=[?!)\";}\]*:@'({\[])", last)]
+    if cuts and last[cuts[-1]:].strip("\"')]}"):
+        head, tail = last[:cuts[-1]], last[cuts[-1]:]
+        if head[-1] in "?!" or _ends_sentence(head, tail):
+            return [head, tail]
+    return [last]
+
+
+def punkt_sentences(text: str) -> list[str]:
+    """Sentences roughly as NLTK's punkt (English model) finds them, with no model to download: after '?' / '!',
+    and after a final period unless `_ends_sentence` says the period is an abbreviation's, an initial's or a
+    number's; not at line breaks. Used where the reference counts sentences with punkt."""
+    sentences, start = [], 0
+    words = list(_WORD_PIECES.finditer(text))
+    for m, following in zip(words, words[1:]):
+        word = m.group(0)
+        if word[-1] not in _ENDERS:
+            continue
+        if word.rstrip(_CLOSERS)[-1:] in ("?", "!") or _ends_sentence(word, following.group(0)):
+            sentences.append(text[start:m.end()].strip())
+            start = m.end()
+    rest = text[start:].strip()
+    if not rest:
+        return sentences
+    last = words[-1].group(0)
+    return sentences + [rest[:len(rest) - len(last)] + p if i == 0 else p
+                        for i, p in enumerate(_split_trailing_marks(last))]
 
 
 def word_tokens(text: str) -> list[str]:
     """Words as NLTK's word_tokenize gives them (Penn Treebank rules: punctuation, quotes and clitics such as
-    n't / 's are tokens, a sentence's final period is one, hyphenated words stay whole), without punkt."""
-    tokens, start = [], 0
-    for m in re.finditer(r"\S+", text):
-        if _ends_sentence(m.group(0)):
-            tokens += _tokenize_sentence(text[start:m.end()])
-            start = m.end()
-    return tokens + _tokenize_sentence(text[start:])
+    n't / 's are tokens, a sentence's final period is one, hyphenated words stay whole), with `punkt_sentences`."""
+    # A line break inside a sentence is a tab here: whitespace to every rule, and no sentence boundary.
+    return _treebank_tokens("\n".join(sentence.replace("\n", "\t") for sentence in punkt_sentences(text)))
 
 
 def _label_regex(pattern: str, flags: int = 0, word: bool = False) -> re.Pattern:
@@ -498,8 +568,8 @@ def response_language(t: str, language: str | None = None) -> bool:
 
 
 def number_sentences(t: str, num_sentences: int | None = None, relation: str | None = None) -> bool:
-    """Sentence count `relation` `num_sentences`."""
-    return _compare(len(split_into_sentences(t)), relation, _count(num_sentences, 1))
+    """Sentence count (as punkt splits them) `relation` `num_sentences`."""
+    return _compare(len(punkt_sentences(t)), relation, _count(num_sentences, 1))
 
 
 def number_paragraphs(t: str, num_paragraphs: int | None = None) -> bool:
@@ -1197,6 +1267,7 @@ if cfg["userns"]:  # a nested user namespace maps us to uid 65534; made before c
             f.write(text)
 os.chroot(root)
 os.chdir("/tmp")
+os.setsid()  # kill(0, ...) must reach only the namespace, not unshare (the same uid outside, in userns mode)
 for name, soft, hard in cfg["rlimits"]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
 if not cfg["userns"]:
@@ -1383,8 +1454,9 @@ def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, 
                        uid: int) -> list[str]:
     binds, links, paths = _root_layout()
     cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
-           "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb, "shm_mb": shm_mb, "binds": binds, "links": links,
-           "paths": paths, "rlimits": rlimits, "argv": argv, "env": _sandbox_env()}
+           "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb,
+           "shm_mb": shm_mb, "binds": binds, "links": links, "paths": paths, "rlimits": rlimits, "argv": argv,
+           "env": _sandbox_env()}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
     # namespace's init (the program) and with it every process in the pid namespace.
@@ -1837,7 +1909,7 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     timeout = min(code_timeout, budget) if budget else code_timeout
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
                         timeout=timeout, memory_mb=code_memory_mb, channel=True)
-    reports = _reports(run["channel"])
+    reports = _reports(run["channel"]) if run["status"] != "output_limit" else {}  # flooding its output fails all
     passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans))
     return VerifierResult(passed / len(tests), None, program[:2000],
                           details={"passed": passed, "total": len(tests), "status": run["status"],
@@ -2118,8 +2190,8 @@ class VerifierPool:
     trainer to log; `row_counts` counts rows per verifier."""
 
     def __init__(self, num_workers: int = 2, timeout: float = 10.0,
-                 preload: tuple[str, ...] = ("math_verify", "langdetect", "openai"), allow_unsandboxed_code: bool = False,
-                 **verifier_kwargs):
+                 preload: tuple[str, ...] = ("math_verify", "langdetect", "openai"),
+                 allow_unsandboxed_code: bool = False, **verifier_kwargs):
         self.timeout = timeout
         # The sandbox is probed here, once, and its mode handed to the workers; without isolation,
         # code rows are refused ("sandbox_unavailable") unless allow_unsandboxed_code.

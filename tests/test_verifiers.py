@@ -12,10 +12,13 @@ import http.server
 import inspect
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -328,6 +331,13 @@ IFEVAL_REFERENCE_QUIRKS = [
      "Dr. Smith left. He ran! Why?", True),
     ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "less than"},
      "Dr. Smith left. He ran! Why?", False),
+    # punkt's sentences: abbreviations and "..." before a lowercase word go on, "e.g." is no abbreviation to it
+    ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "less than"},
+     "Dr. Smith met Mr. Jones at 5 p.m. on Jan. 5th. They talked.", True),
+    ("length_constraints:number_sentences", {"num_sentences": 2, "relation": "at least"}, "Wow... that is it.", False),
+    ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "at least"},
+     "Experts, e.g. economists, agree. Yes.", True),
+    ("length_constraints:number_sentences", {"num_sentences": 2, "relation": "less than"}, "Use file.txt now", True),
     # Missing kwargs that the reference draws at random, where no draw changes the outcome.
     ("count:lowercase_counting", {}, "HELLO THERE", True),
     ("count:lowercase_counting", {}, "a b c d", False),
@@ -359,6 +369,14 @@ def test_ifeval_open_instruct_literal_label_scores_the_fraction():
     assert verify("ifeval", '<answer>"Quoted."</answer>', quoted).score == 1.0  # answer tags are dropped
 
 
+def test_ifeval_punkt_sentences():
+    # The counts NLTK's punkt (English model) gives.
+    for text, count in [("Dr. Smith met Mr. Jones at 5 p.m. on Jan. 5th. They talked.", 2), ("Good luck!!", 2),
+                        ("It costs 10 dollars vs. 20 dollars. Choose wisely.", 2), ("1. Apples\n2. Pears", 3),
+                        ("The end. and then we left.", 2), ("This is **bold.** Next one.", 2), ("Is it? Yes. No!", 3)]:
+        assert len(V.punkt_sentences(text)) == count, (text, V.punkt_sentences(text))
+
+
 def test_ifeval_word_tokens_follow_treebank_rules():
     assert V.word_tokens('"Hello," he said. "Bye."') == ["``", "Hello", ",", "''", "he", "said", ".", "``", "Bye",
                                                          ".", "''"]
@@ -388,13 +406,13 @@ def test_ifeval_hostile_inputs_are_fast():
     for inst in V.IFEVAL_CHECKS:
         label = _hostile_label(inst)
         for text in texts:
-            t0 = time.perf_counter()
+            t0 = time.process_time()  # CPU time: the wall clock also counts other processes on a busy machine
             r = verify("ifeval", text, label)
-            elapsed = time.perf_counter() - t0
+            elapsed = time.process_time() - t0
             assert in_bounds(r) and r.error is None, (inst, text[:10], r)
             assert elapsed < 2, (inst, text[:10], elapsed)
             worst = max(worst, (elapsed, f"{inst} on {text[:6]!r}..."))
-    print(f"slowest IFEval check on a hostile 200,000-character response: {worst[0]:.3f} s ({worst[1]})")
+    print(f"slowest IFEval check on a hostile 200,000-character response: {worst[0]:.3f} s CPU ({worst[1]})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -478,14 +496,31 @@ HOSTILE = {
     "forged_pass_lines": ("def f(x):\n    return -1\nfor i in range(3):\n    print(f'\\nVERIFIER_0:{i}:pass')\n"
                           "import builtins\nbuiltins.print = lambda *a, **k: None", 0.0, 4),
     "kill_all": ("import os, signal\nos.kill(-1, signal.SIGKILL)\ndef f(x):\n    return -1", 0.0, 4),
+    # the pass is decided outside the program: reading the harness, patching __eq__ or builtins,
+    # raising SystemExit inside a test or closing its files cannot make a wrong answer pass
+    "forged_from_callers_frame": (
+        "import os, sys\ndef f(x):\n    return -1\nframe, consts = sys._getframe(0), []\nwhile frame is not None:\n"
+        "    consts += [c for c in frame.f_code.co_consts + tuple(frame.f_globals.values()) if isinstance(c, str)]\n"
+        "    frame = frame.f_back\nfor c in consts:\n    for i in range(5):\n        try:\n"
+        "            os.write(1, (c % i).encode())\n        except Exception:\n            pass\n"
+        "for fd in range(3, 20):\n    for i in range(5):\n        try:\n"
+        "            os.write(fd, f'[{i}, 0, [[\"b\", true]]]\\n'.encode())\n        except OSError:\n            pass", 0.0, 4),
+    "always_equal": ("import builtins\nclass Yes(int):\n    def __eq__(self, other):\n        return True\n"
+                     "    __hash__ = int.__hash__\ndef f(x):\n    return Yes(-1)\n"
+                     "builtins.AssertionError = type('Nope', (Exception,), {})", 0.0, 4),
+    "system_exit_inside_tests": ("def f(x):\n    raise SystemExit(0)", 0.0, 4),
+    "close_all_files": ("import os\ndef f(x):\n    return -1\nfor fd in range(1, 64):\n    try:\n        os.close(fd)\n"
+                        "    except OSError:\n        pass", 0.0, 4),
+    # as its pid namespace's init it ignores its own SIGSTOP; either way it ends within its time
+    "stop_itself": (GOOD_F + "import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)", 1.0, 4),
 }
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_code_hostile_program_scores_zero_and_caller_survives(name):
     program, max_score, seconds = HOSTILE[name]
-    if name == "kill_all" and V._sandbox_mode() != "namespace":
-        pytest.skip("kill(-1) as the caller's own user can only be contained by the namespace sandbox (another uid)")
+    if V._sandbox_mode() == "none":
+        pytest.skip("no sandbox here: code verifiers refuse to run")
     t0 = time.time()
     r = verify("code", py(program), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
     assert in_bounds(r) and r.score <= max_score and r.error is None, r
@@ -512,8 +547,8 @@ def test_code_sys_exit_does_not_skip_asserts():
 
 
 def test_code_sandbox_isolation():
-    if V._sandbox_mode() != "namespace":
-        pytest.skip("namespace sandbox unavailable here (not root, or no unshare/setpriv/prlimit)")
+    if V._sandbox_mode() == "none":
+        pytest.skip("no sandbox here (no user namespaces)")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -525,11 +560,286 @@ def test_code_sandbox_isolation():
         f"try:\n    open({target!r}, 'w')\n    ok = False\nexcept OSError:\n    ok = True\nassert ok",  # not root
         "import os\nassert os.getuid() != 0",
         "import os\nassert os.listdir('/tmp') and 'solution.py' in os.listdir('/tmp')",  # private /tmp = workdir
+        f"import os\nassert not os.path.exists({os.path.join(REPO, 'verifiers.py')!r})",  # only the interpreter's dirs
+        f"import os\nassert not os.path.exists('/proc/{os.getpid()}/environ')",  # nor this process's secrets
+        "import os\nassert os.getpid() == 1 and os.getppid() == 0",  # nobody else in its pid namespace
     ]
     r = verify("code", py("x = 1"), tests, code_timeout=5)
     server.close()
     assert r.score == 1.0, r.details
     assert not os.path.exists(target)
+
+
+# ---- the sandbox as root and as an unprivileged user (findings of the sandbox review, one test each)
+
+def _closed_ancestors() -> set[tuple[str, str]]:
+    """(A, C): directory A on the way to the interpreter or the repository is closed to others (e.g.
+    /root, mode 700) and C is the next component under it."""
+    out = set()
+    for path in (sys.prefix, sys.base_prefix, os.path.realpath(sys.executable), REPO):
+        parts = os.path.realpath(path).split(os.sep)
+        for i in range(2, len(parts)):
+            ancestor = os.sep.join(parts[:i])
+            if not os.stat(ancestor).st_mode & 0o001:
+                out.add((ancestor, parts[i]))
+                break
+    return out
+
+
+@pytest.fixture(scope="module")
+def unprivileged(tmp_path_factory):
+    """argv prefix that runs this interpreter as an unprivileged user: ourselves when not root, else
+    uid 65534, with a closed ancestor of the interpreter (/root) made passable in a private mount
+    namespace (a 755 tmpfs over it with the needed child bound back)."""
+    if os.geteuid() != 0:
+        return [sys.executable]
+    env = ["env", "-i", "PATH=/usr/bin:/bin", "HOME=/tmp", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={REPO}"]
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *env, sys.executable]
+    lines = ["set -e"]
+    for ancestor, child in sorted(_closed_ancestors()):
+        stage, inner = str(tmp_path_factory.mktemp("stage")), shlex.quote(os.path.join(ancestor, child))
+        lines += [f"mount --rbind {inner} {stage}", f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(ancestor)}",
+                  f"mkdir -p {inner}", f"mount --rbind {stage} {inner}"]
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join([*lines, 'exec "$@"']), "sh", *drop]
+
+
+# Scores programs in a fresh process (as root, or as the unprivileged user) and reports, for each:
+# score, seconds, the processes it left behind (orphans come to this process, a subreaper), and
+# the peak memory (PSS) of everything below this process while it ran.
+_DRIVER = r"""
+import ctypes, json, os, sys, threading, time
+import verifiers as V
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def below(pid):
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return kids + [d for k in kids for d in below(k)]
+
+
+def pss_mb(pids):
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, ValueError):
+            pass
+    return total / 1024
+
+
+def watch(limit_mb, peak, stop):
+    # A broken sandbox must not take the machine: past the limit, kill everything below us.
+    while not stop.is_set():
+        peak[0] = max(peak[0], pss_mb(below(os.getpid())))
+        if peak[0] > limit_mb:
+            for pid in below(os.getpid()):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+        time.sleep(0.02)
+
+
+programs, tests, kwargs, kill_above_mb = json.loads(sys.argv[1])
+out = {"mode": V._sandbox_mode()}
+for name, program in programs.items():
+    peak, stop = [0.0], threading.Event()
+    watcher = threading.Thread(target=watch, args=(kill_above_mb, peak, stop))
+    watcher.start()
+    t0 = time.time()
+    r = V.verify("code", "```python\n" + program + "\n```", tests, **kwargs)
+    seconds = time.time() - t0
+    stop.set()
+    watcher.join()
+    time.sleep(0.3)  # what escaped has time to show itself
+    out[name] = {"score": r.score, "error": r.error, "seconds": seconds, "left": below(os.getpid()),
+                 "peak_mb": peak[0], "stderr": (r.details or {}).get("stderr", "")}
+print(json.dumps(out))
+"""
+
+
+def _drive(prefix: list[str], programs: dict, tests=DOUBLE_TESTS, kill_above_mb: float = 2048, **kwargs) -> dict:
+    kwargs.setdefault("code_timeout", 2)
+    kwargs.setdefault("code_memory_mb", 512)
+    out = subprocess.run([*prefix, "-c", _DRIVER, json.dumps([programs, tests, kwargs, kill_above_mb])],
+                         capture_output=True, text=True, timeout=300, cwd="/tmp", env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _users(unprivileged) -> dict[str, list[str]]:
+    return {"root": [sys.executable], "unprivileged": unprivileged} if os.geteuid() == 0 else {"unprivileged": unprivileged}
+
+
+def _userns_works(prefix: list[str]) -> bool:
+    return subprocess.run([*prefix, "-c", "import subprocess, sys; sys.exit(subprocess.run(['unshare', '--user', "
+                           "'--map-root-user', '--pid', '--fork', 'true']).returncode)"], capture_output=True).returncode == 0
+
+
+def test_sandbox_mode_is_the_strongest_available_as_root_and_as_an_unprivileged_user(unprivileged):
+    """Not root: unprivileged user namespaces (it used to fall back to running as the caller)."""
+    modes = {user: _drive(prefix, {})["mode"] for user, prefix in _users(unprivileged).items()}
+    if os.geteuid() == 0 and V._sandbox_mode() != "none":
+        assert modes["root"] == "namespace"
+    assert modes["unprivileged"] == ("userns" if _userns_works(unprivileged) else "none"), modes
+
+
+def test_no_isolation_refuses_code_unless_allowed(monkeypatch):
+    monkeypatch.setattr(V, "_SANDBOX", {"mode": "none", "cgroup": V._SANDBOX.get("cgroup", {})})
+    assert verify("code", py(GOOD_F), DOUBLE_TESTS).error == "sandbox_unavailable"
+    assert verify("code_stdio", py("print(2)"), [{"input": "", "output": "2"}]).error == "sandbox_unavailable"
+    assert "NO ISOLATION" in V.sandbox_description()
+    r = verify("code", py(GOOD_F), DOUBLE_TESTS, allow_unsandboxed_code=True)
+    assert (r.score, r.error) == (1.0, None), r
+
+
+# A wrong f; a grandchild in a session of its own keeps appending to a file outside the work dir.
+ESCAPE = ("import os, time\ndef f(x):\n    return -1\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+          "        for _ in range(100):\n            try:\n                with open({marker!r}, 'a') as out:\n"
+          "                    out.write('alive\\n')\n            except OSError:\n                pass\n"
+          "            time.sleep(0.05)\n    os._exit(0)\n")
+# Tries every host directory writable by someone, then fills its own work dir with 1 MB files.
+WRITE_EVERYWHERE = (
+    "import os\ndef f(x):\n    return -1\nfor d in {dirs!r}:\n    try:\n        with open(os.path.join(d, {name!r}), 'w') as out:\n"
+    "            out.write('x')\n    except OSError:\n        pass\nn = 0\ntry:\n    while n < 1000:\n"
+    "        with open(f'fill{{n}}', 'wb') as out:\n            out.write(b'x' * (1 << 20))\n        n += 1\n"
+    "except OSError:\n    pass\nimport sys\nprint('files', n, file=sys.stderr)\n")
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory anyone may write (the program must not)."""
+    shared = tempfile.mkdtemp(prefix="verifiers_test_")
+    os.chmod(shared, 0o1777)
+    yield shared
+    shutil.rmtree(shared, ignore_errors=True)
+
+
+def _drive_as_each_user(unprivileged, programs: dict, **kwargs):
+    """(user, _drive's report), one user after the other: root (when we are root), then unprivileged."""
+    for user, prefix in _users(unprivileged).items():
+        out = _drive(prefix, programs, **kwargs)
+        if out["mode"] == "none":
+            pytest.skip(f"no sandbox for {user} here")
+        yield user, out
+
+
+def _assert_contained(user: str, name: str, r: dict, max_score: float = 0.0, seconds: float = 4.0):
+    assert r["error"] is None and r["score"] <= max_score, (user, name, r)
+    assert r["seconds"] < seconds and r["left"] == [], (user, name, r)  # in time, and nothing outlives it
+
+
+def test_setsid_double_fork_dies_with_the_run(unprivileged, shared_dir):
+    """Finding 1: without root the program ran unisolated and a setsid grandchild outlived the
+    process-group kill, writing outside its work dir after verify() returned."""
+    marker = os.path.join(shared_dir, "escaped")
+    for user, out in _drive_as_each_user(unprivileged, {"escape": ESCAPE.format(marker=marker)}):
+        _assert_contained(user, "escape", out["escape"])
+        assert not os.path.exists(marker), user
+
+
+def test_code_can_write_only_its_own_work_dir(unprivileged, shared_dir):
+    """Finding 2: /var/tmp and /run/lock of the host stayed writable; the file-size limit did not
+    bound the number of files. Now the root is read-only and its /tmp a bounded tmpfs."""
+    name = f"verifiers_marker_{os.getpid()}"
+    dirs = [shared_dir, "/var/tmp", "/run/lock", "/dev/shm", "/tmp", REPO, "/"]
+    try:
+        for user, out in _drive_as_each_user(unprivileged, {"w": WRITE_EVERYWHERE.format(dirs=dirs, name=name)}):
+            _assert_contained(user, "write_everywhere", out["w"])
+            assert [d for d in dirs if os.path.exists(os.path.join(d, name))] == [], user
+            files = int(out["w"]["stderr"].split("files")[-1].split()[0])
+            assert 0 < files <= 64, (user, files)  # 1 MB files: its /tmp holds at most 64 MB
+    finally:
+        for d in dirs:
+            if os.path.exists(os.path.join(d, name)):
+                os.unlink(os.path.join(d, name))
+
+
+@pytest.mark.slow  # ~15 s: HOSTILE as the unprivileged user (as root, the test above runs them in this process)
+def test_hostile_programs_as_an_unprivileged_user(unprivileged):
+    out = _drive(unprivileged, {k: v[0] for k, v in HOSTILE.items()})
+    if out["mode"] == "none":
+        pytest.skip("no sandbox for the unprivileged user here")
+    for name, (_, max_score, seconds) in HOSTILE.items():
+        _assert_contained("unprivileged", name, out[name], max_score, seconds)
+
+
+# 60 children, each touching 900 MB in 16 MB steps; they keep what they got for 2 s.
+FORK_MEMORY = ("import os, time\ndef f(x):\n    return 2 * x\nkids = []\nfor _ in range(60):\n    try:\n"
+               "        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        held = []\n"
+               "        try:\n            for _ in range(900 // 16):\n                b = bytearray(16 << 20)\n"
+               "                b[::4096] = b'\\x01' * (len(b) // 4096)\n                held.append(b)\n"
+               "        except MemoryError:\n            pass\n        time.sleep(2)\n        os._exit(0)\n"
+               "    kids.append(pid)\nfor pid in kids:\n    os.waitpid(pid, 0)\n")
+
+
+@pytest.mark.slow  # ~10 s: the memory of 60 children, as root and as the unprivileged user
+def test_fork_of_60_children_stays_within_the_memory_budget(unprivileged):
+    """Finding 3: the address-space limit was per process, 64 processes allowed (64 x the budget)."""
+    budget = 256
+    for user, out in _drive_as_each_user(unprivileged, {"fork_memory": FORK_MEMORY}, code_timeout=4,
+                                         code_memory_mb=budget, kill_above_mb=3 * budget):
+        r = out["fork_memory"]
+        print(f"\n{user} ({out['mode']}): peak {r['peak_mb']:.0f} MB of a {budget} MB budget, {r['seconds']:.1f} s")
+        assert r["peak_mb"] <= budget + 16 and r["seconds"] < 8 and r["left"] == [], (user, r)
+    assert os.getppid() > 1
+
+
+def test_killed_worker_leaves_no_work_dir_behind():
+    """Finding 4: the pool kills a worker in the middle of a run; its work dir (and cgroup) go too."""
+    tmp = tempfile.gettempdir()
+    before = set(os.listdir(tmp))
+    with VerifierPool(num_workers=1, timeout=1.5, code_timeout=30, budget=30) as pool:
+        r = pool.score([("code", py(GOOD_F + "import time\ntime.sleep(60)"), DOUBLE_TESTS)])[0]
+        assert r.error == "timeout", r
+        left = [n for n in set(os.listdir(tmp)) - before if n.startswith("verifiers_")]
+        assert left == [], left
+        cgroups = [os.path.join(b, n) for b in (V._SANDBOX.get("cgroup") or {}).values() for n in os.listdir(b)
+                   if n.startswith("verifiers_")]
+        assert cgroups == []
+        assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].score == 1.0  # and the pool goes on
+
+
+def test_forged_pass_from_the_callers_frame_scores_zero():
+    """Finding 5: a wrong solution read the pass sentinel from the harness's frame and scored 1.0."""
+    r = verify("code", py(HOSTILE["forged_from_callers_frame"][0]), DOUBLE_TESTS, code_timeout=3)
+    assert (r.score, r.error) == (0.0, None), r
+    # values are compared here: the program's own __eq__ or a patched builtin has no say
+    assert verify("code", py(HOSTILE["always_equal"][0]), DOUBLE_TESTS).score == 0.0
+    tests = ["assert f([3, 1]) == [1, 3]", "assert sorted(f([2, 1])) == [1, 2]", "assert abs(f([0.5])[0] - 0.5) < 1e-9",
+             "xs = [2, 1]\nassert f(xs) == sorted(xs)", "assert isinstance(f([]), list) and f([]) == []",
+             "import math\nassert math.isclose(sum(f([0.1, 0.2])), 0.3)", "assert f([1])[0] is not None"]
+    assert verify("code", py("def f(xs):\n    return sorted(xs)"), tests).score == 1.0
+    assert verify("code", py("def f(xs):\n    return list(xs)"), tests).score == pytest.approx(5 / 7)
+
+
+def test_venv_under_tmp_through_a_symlink(tmp_path):
+    """Finding 6: with the interpreter in a venv under /tmp (reached through a symlink) the sandbox
+    could not start it (the private /tmp hid it) and fell back; its packages must be importable too."""
+    base = tempfile.mkdtemp(prefix="verifiers_test_venv_")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", os.path.join(base, "venv")], check=True)
+        site = subprocess.run([os.path.join(base, "venv", "bin", "python"), "-c", "import sysconfig; "
+                               "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True).stdout.strip()
+        with open(os.path.join(site, "venv_only_pkg.py"), "w") as f:
+            f.write("VALUE = 42\n")
+        os.symlink(os.path.join(base, "venv"), os.path.join(base, "link"))
+        script = ("import json, verifiers as V\nr = V.verify('code', '```python\\nimport venv_only_pkg\\ndef f():\\n"
+                  "    return venv_only_pkg.VALUE\\n```', ['assert f() == 42'])\n"
+                  "print(json.dumps([V._sandbox_mode(), r.score, r.details]))")
+        out = subprocess.run([os.path.join(base, "link", "bin", "python"), "-c", script], capture_output=True, text=True,
+                             timeout=60, cwd="/", env={**os.environ, "PYTHONPATH": REPO})
+        mode, score, details = json.loads(out.stdout.splitlines()[-1])
+        assert mode == V._sandbox_mode() and score == 1.0, (mode, details, out.stderr[-2000:])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_code_stdio():
