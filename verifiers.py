@@ -1722,8 +1722,18 @@ _LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bool": bool, "bytes": bytes
                 "sorted": sorted, "str": str, "sum": sum, "tuple": tuple, "type": type}
 _LOCAL_MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "sqrt", "pi", "e", "inf", "nan",
                "trunc", "log", "log2", "log10", "exp", "gcd", "prod", "fsum"}
+_LOCAL_METHODS = {"upper", "lower", "strip", "lstrip", "rstrip", "split", "rsplit", "splitlines", "join", "replace",
+                  "count", "find", "rfind", "index", "startswith", "endswith", "isdigit", "isalpha", "isalnum",
+                  "isspace", "isupper", "islower", "title", "capitalize", "casefold", "keys", "values", "items",
+                  "get", "copy", "issubset", "issuperset", "isdisjoint", "union", "intersection", "difference"}
 _LOCAL_NODES = (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List, ast.Set, ast.Dict,
                 ast.Subscript, ast.Slice, ast.Starred, ast.JoinedStr, ast.FormattedValue, ast.Constant)
+# The test's own expressions (no program in them) are evaluated here whole, comprehensions and range included.
+_TEST_ONLY_NODES = (*_LOCAL_NODES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.comprehension,
+                    ast.Name, ast.Call, ast.Attribute, ast.keyword, ast.expr_context, ast.operator, ast.unaryop,
+                    ast.boolop, ast.cmpop)
+_TEST_ONLY_CALLS = {"range", "enumerate", "zip", "map", "filter"}
+_MAX_ITEMS = 5000  # a larger set or dict of the program's is opaque: colliding hashes make it quadratic
 
 
 class _Opaque:
@@ -1765,6 +1775,8 @@ def _decode(x: Any) -> Any:
         return {"i": int, "f": float, "c": complex}[tag](x[1])
     if tag == "y":
         return bytes.fromhex(x[1])
+    if tag in ("S", "F", "d") and len(x[1]) > _MAX_ITEMS:
+        return _Opaque(f"{tag}:{len(x[1])} items")
     if tag in ("l", "t", "S", "F"):
         return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](_decode(v) for v in x[1])
     if tag == "d":
@@ -1783,12 +1795,30 @@ def _is_local(node: ast.expr, shadowed: set[str]) -> bool:
     return False
 
 
+def _test_only(node: ast.expr, shadowed: set[str]) -> bool:
+    """True when `node` needs nothing of the program: literals, builtins, math, comprehensions over them."""
+    bound = {n.id for c in ast.walk(node) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)
+             if isinstance(n, ast.Name)}
+    names = (set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | bound) - shadowed
+    for n in ast.walk(node):
+        if not isinstance(n, _TEST_ONLY_NODES):
+            return False
+        if isinstance(n, ast.Name) and n.id not in names:
+            return False
+        if isinstance(n, ast.Attribute) and not (_is_local(n, shadowed) or n.attr in _LOCAL_METHODS):
+            return False
+    return True
+
+
 def _split(node: ast.expr, leaves: list[str], shadowed: set[str]) -> ast.expr:
     """`node` with each maximal part that needs the program replaced by a name `_v<k>` (its source
     appended to `leaves`, for the sandbox to evaluate)."""
-    if _is_local(node, shadowed):
+    if _is_local(node, shadowed) or _test_only(node, shadowed):
         return node
-    if isinstance(node, ast.Call) and _is_local(node.func, shadowed):
+    method = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LOCAL_METHODS
+    if method:  # `f(x).strip()`: the method of the plain value it reported, called here
+        node.func.value = _split(node.func.value, leaves, shadowed)
+    if method or isinstance(node, ast.Call) and _is_local(node.func, shadowed):
         node.args = [_split(a, leaves, shadowed) for a in node.args]
         for kw in node.keywords:
             kw.value = _split(kw.value, leaves, shadowed)
@@ -1837,30 +1867,34 @@ def _top_level_names(program: str) -> set[str]:
     return names
 
 
-def _reports(channel: str) -> dict[tuple[int, int], list | None]:
-    """(test, step) -> the values the sandbox reported; None where reports disagree."""
-    out: dict = {}
+def _reports(channel: str, plans: list) -> dict[tuple[int, int], list | None]:
+    """(test, step) -> the values the sandbox reported for an assert; None where reports disagree.
+    Each decoded once, and only where an assert waits for it: the program may write anything here."""
+    expected = {(i, j) for i, plan in enumerate(plans) if plan for j, _, _ in plan[1]}
+    raw: dict = {}
     for line in channel.splitlines():
         try:
             i, j, values = json.loads(line)
-            key, values = (int(i), int(j)), [_decode(v) for v in values]
-        except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+            key = (int(i), int(j))
+            text = json.dumps(values) if key in expected else None
+        except (ValueError, TypeError, RecursionError):
             continue
-        out[key] = values if key not in out or _same(out[key], values) else None
+        if text is not None:
+            raw[key] = text if raw.get(key, text) == text else None
+    out: dict = {}
+    for key, text in raw.items():
+        try:
+            out[key] = None if text is None else [_decode(v) for v in json.loads(text)]
+        except (ValueError, TypeError, IndexError, KeyError, RecursionError):
+            out[key] = None
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return repr(a) == repr(b)
-    except Exception:
-        return False
 
 
 def _test_passed(i: int, plan: tuple[list, list] | None, reports: dict) -> bool:
     if plan is None:
         return False
-    namespace = {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS}
+    namespace = {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS, "range": range, "enumerate": enumerate,
+                 "zip": zip, "map": map, "filter": filter}
     for j, check, num_leaves in plan[1]:
         values = reports.get((i, j))
         if values is None or len(values) != num_leaves:
@@ -1909,7 +1943,7 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     timeout = min(code_timeout, budget) if budget else code_timeout
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
                         timeout=timeout, memory_mb=code_memory_mb, channel=True)
-    reports = _reports(run["channel"]) if run["status"] != "output_limit" else {}  # flooding its output fails all
+    reports = _reports(run["channel"], plans) if run["status"] != "output_limit" else {}  # flooding its output fails all
     passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans))
     return VerifierResult(passed / len(tests), None, program[:2000],
                           details={"passed": passed, "total": len(tests), "status": run["status"],

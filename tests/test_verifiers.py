@@ -813,11 +813,21 @@ def test_forged_pass_from_the_callers_frame_scores_zero():
     assert (r.score, r.error) == (0.0, None), r
     # values are compared here: the program's own __eq__ or a patched builtin has no say
     assert verify("code", py(HOSTILE["always_equal"][0]), DOUBLE_TESTS).score == 0.0
+
+
+def test_code_judges_common_assert_forms_here():
     tests = ["assert f([3, 1]) == [1, 3]", "assert sorted(f([2, 1])) == [1, 2]", "assert abs(f([0.5])[0] - 0.5) < 1e-9",
              "xs = [2, 1]\nassert f(xs) == sorted(xs)", "assert isinstance(f([]), list) and f([]) == []",
-             "import math\nassert math.isclose(sum(f([0.1, 0.2])), 0.3)", "assert f([1])[0] is not None"]
-    assert verify("code", py("def f(xs):\n    return sorted(xs)"), tests).score == 1.0
-    assert verify("code", py("def f(xs):\n    return list(xs)"), tests).score == pytest.approx(5 / 7)
+             "import math\nassert math.isclose(sum(f([0.1, 0.2])), 0.3)", "assert f([1])[0] is not None",
+             "assert f([2, 0, 1]) == [i for i in range(3)]", "assert str(f(['b', 'a'])).upper() == \"['A', 'B']\"",
+             "assert f((1, 0)) == list((0, 1)) and f({1}) == [1]"]
+    r = verify("code", py("def f(xs):\n    return sorted(xs)"), tests)
+    assert (r.score, r.details["unsupported"]) == (1.0, 0), r.details
+    assert verify("code", py("def f(xs):\n    return list(xs)"), tests).score == 0.5
+    # the expected side of an assert never enters the sandbox; asserts inside a try / a loop are not judged
+    plan = V._plan_test("assert f(2) == 4 and g(3) in {5, 6}", set())
+    assert plan[0] == [["eval", ["f(2)", "g(3)"]]]
+    assert V._plan_test("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass", set()) is None
 
 
 def test_venv_under_tmp_through_a_symlink(tmp_path):
