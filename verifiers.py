@@ -398,9 +398,8 @@ def _ortho_starts_sentence(word: str) -> bool | None:
 
 
 def _ends_sentence(word: str, next_word: str) -> bool:
-    """Whether punkt would end a sentence after this word, approximately: after a final
-    period, unless it is an ellipsis, an abbreviation, an initial or a number that the next word does not show
-    to be the end of a sentence."""
+    """Whether punkt would end a sentence after this word, approximately: after a final period, unless it is an
+    ellipsis, or an abbreviation, initial or number that the next word does not show to end a sentence."""
     core = word.rstrip(_CLOSERS)
     if not core.endswith(".") or core.endswith(".."):
         return False
@@ -440,7 +439,7 @@ _WORD_PIECES = re.compile(r"\S*?\.(?=[?!;*:@({\[])|\S+")
 
 def _split_trailing_marks(last: str) -> list[str]:
     """At the end of the text punkt cuts a word after its last '.', '?' or '!' that another mark follows
-    ("Really??" -> "Really??", "?"), unless only closing quotes/brackets are left."""
+    ("Really???" -> "Really??", "?"), unless only closing quotes/brackets are left."""
     cuts = [m.end() for m in re.finditer(r"[.?!](?=[?!)\";}\]*:@'({\[])", last)]
     if cuts and last[cuts[-1]:].strip("\"')]}"):
         head, tail = last[:cuts[-1]], last[cuts[-1]:]
