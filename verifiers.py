@@ -1189,8 +1189,17 @@ def extract_code(response: str) -> str | None:
 # read-only binds (system dirs, the interpreter's prefixes), a tmpfs /tmp holding the run's files,
 # a minimal /dev and the namespace's own /proc; then chroot, drop to the unprivileged id, limits, exec.
 _SETUP = r"""
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, sys, traceback
 cfg = json.loads(sys.argv[1])
+os.set_inheritable(cfg["status_fd"], False)  # closed by the exec: the program cannot write a setup failure
+
+
+def failed(kind, value, tb):  # says so on a channel of its own: an error of the sandbox, not of the program
+    os.write(cfg["status_fd"], "".join(traceback.format_exception(kind, value, tb))[-2000:].encode())
+    os._exit(125)
+
+
+sys.excepthook = failed
 libc = ctypes.CDLL(None, use_errno=True)
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND = 1, 2, 4, 8, 32, 4096
 KEEP = ((os.ST_NODEV, NODEV), (os.ST_NOEXEC, NOEXEC), (1024, 1024), (2048, 2048), (4096, 1 << 21))  # + atime
@@ -1450,12 +1459,12 @@ def _sandbox_env() -> dict[str, str]:
 
 
 def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
-                       uid: int) -> list[str]:
+                       uid: int, status_fd: int) -> list[str]:
     binds, links, paths = _root_layout()
     cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
            "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb,
            "shm_mb": shm_mb, "binds": binds, "links": links, "paths": paths, "rlimits": rlimits, "argv": argv,
-           "env": _sandbox_env()}
+           "env": _sandbox_env(), "status_fd": status_fd}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
     # namespace's init (the program) and with it every process in the pid namespace.
@@ -1478,9 +1487,9 @@ def _in_cgroup(cmd: list[str], cgroups: list[str]) -> list[str]:
 
 
 def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int, stdin, stdout, stderr,
-                   uid: int, mode: str | None = None, pass_fds: tuple = ()):
-    """Start `argv` sandboxed, in its own session, with workdir/files as its /tmp; returns (Popen, cgroups)."""
-    mode = mode or _sandbox_mode()
+                   uid: int, mode: str, pass_fds: tuple, status):
+    """Start `argv` sandboxed, in its own session, with workdir/files as its /tmp; returns (Popen, cgroups).
+    A failure to set the sandbox up is written to `status` (a file), never by the program."""
     cgroups = None
     if _SANDBOX.get("cgroup"):
         cgroups = _make_cgroup(_SANDBOX["cgroup"], os.path.basename(workdir), memory_mb, _NPROC)
@@ -1489,7 +1498,9 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
         cmd, cwd, env = _unsandboxed_command(argv, rlimits), os.path.join(workdir, "files"), _sandbox_env()
         env["HOME"] = env["TMPDIR"] = cwd
     else:
-        cmd, cwd, env = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid), workdir, {}
+        pass_fds = (*pass_fds, status.fileno())
+        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno())
+        cwd, env = workdir, {}
     if cgroups:
         cmd = _in_cgroup(cmd, cgroups)
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
@@ -1539,27 +1550,13 @@ def _wait_uid_gone(uid: int, timeout: float = 3.0) -> None:
 
 def _probe(mode: str) -> str | None:
     """None if python runs in `mode` here, else why not."""
-    workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_probe_")
-    os.makedirs(os.path.join(workdir, "files"))
-    os.makedirs(os.path.join(workdir, "root"))
-    uid = _acquire_uid()
     try:
-        proc, cgroups = _sandbox_popen([sys.executable, "-c", "import os; print(os.getuid())"], workdir, 10, 1024,
-                                       subprocess.DEVNULL, subprocess.PIPE, subprocess.PIPE, uid, mode)
-        try:
-            out, err = proc.communicate(timeout=30)
-        finally:
-            _kill_sandbox(proc, mode)
-            _remove_cgroup(cgroups)
-        want = {"namespace": str(uid), "userns": "65534"}.get(mode, out.strip().decode())
-        if proc.returncode == 0 and out.strip().decode() == want:
-            return None
-        return err.decode(errors="replace").strip()[-300:] or f"exit {proc.returncode}, printed {out[:100]!r}"
+        run = run_sandboxed({}, [sys.executable, "-c", "import os; print(os.getuid())"], timeout=10, mode=mode)
     except Exception as e:
         return str(e)[:300]
-    finally:
-        _release_uid(uid)
-        shutil.rmtree(workdir, ignore_errors=True)
+    if run["status"] == "ok" and (mode == "none" or run["stdout"].strip() not in ("", "0")):
+        return None
+    return f"{run['status']}: {run['stderr'].strip()[-300:]}"
 
 
 def _sandbox_mode() -> str:
@@ -1603,12 +1600,13 @@ def _sandbox_state() -> dict:
 
 
 def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None = None, timeout: float = 5.0,
-                  memory_mb: int = 1024, max_output: int = 1 << 20, channel: bool = False) -> dict:
+                  memory_mb: int = 1024, max_output: int = 1 << 20, channel: bool = False,
+                  mode: str | None = None) -> dict:
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never
     raises for the program's behaviour. With channel=True the last argument is the number of a
     file descriptor it may write results to. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|
-    output_limit, "stdout", "stderr", "seconds", "channel"}."""
-    mode = _sandbox_mode()
+    output_limit|sandbox_error, "stdout", "stderr", "seconds", "channel"}."""
+    mode = mode or _sandbox_mode()
     # Named after this process, so that whoever kills it (the pool) can remove what it leaves.
     workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_")
     uid = _acquire_uid()
@@ -1618,8 +1616,8 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
         for name, text in files.items():
             with open(os.path.join(workdir, "files", name), "w") as f:
                 f.write(text)
-        with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, \
-                tempfile.TemporaryFile() as ferr, tempfile.TemporaryFile() as fchan:
+        with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr, \
+                tempfile.TemporaryFile() as fchan, tempfile.TemporaryFile() as fstatus:
             # Output goes to files, not pipes: no reader threads, no deadlock, and RLIMIT_FSIZE
             # stops a program that prints gigabytes.
             fin.write((stdin_text or "").encode())
@@ -1627,7 +1625,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             extra = [str(fchan.fileno())] if channel else []
             t0 = time.monotonic()
             proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
-                                           pass_fds=(fchan.fileno(),) if channel else ())
+                                           pass_fds=(fchan.fileno(),) if channel else (), status=fstatus)
             try:
                 rc = proc.wait(timeout=timeout)
                 status = "ok" if rc == 0 else (f"signal_{-rc}" if rc < 0 else f"exit_{rc}")
@@ -1641,7 +1639,11 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             seconds = time.monotonic() - t0
             if fout.seek(0, os.SEEK_END) >= _FSIZE:
                 status = "output_limit"
-            out, err, chan = (_read(fout, max_output), _read(ferr, 64 << 10)[-2000:], _read(fchan, max_output))
+            if fstatus.seek(0, os.SEEK_END):
+                status, err = "sandbox_error", _read(fstatus, 4000)
+            if status != "sandbox_error":
+                err = _read(ferr, 64 << 10)[-2000:]
+            out, chan = _read(fout, max_output), _read(fchan, max_output)
         return {"status": status, "stdout": out, "stderr": err, "seconds": seconds, "channel": chan}
     finally:
         _release_uid(uid)
@@ -1942,6 +1944,8 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     timeout = min(code_timeout, budget) if budget else code_timeout
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
                         timeout=timeout, memory_mb=code_memory_mb, channel=True)
+    if run["status"] == "sandbox_error":
+        return _fail("sandbox_error", program[:2000], message=run["stderr"][-500:])
     reports = _reports(run["channel"], plans) if run["status"] != "output_limit" else {}  # flooding its output fails all
     passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans))
     return VerifierResult(passed / len(tests), None, program[:2000],
@@ -1988,6 +1992,8 @@ def code_stdio(response: str, label: Any, code_timeout: float = 5.0, code_memory
             continue
         run = run_sandboxed({"solution.py": program}, [sys.executable, "solution.py"], stdin_text,
                             timeout=min(code_timeout, remaining), memory_mb=code_memory_mb)
+        if run["status"] == "sandbox_error":
+            return _fail("sandbox_error", program[:2000], message=run["stderr"][-500:])
         ok = run["status"] in ("ok",) and run["stdout"].split() == expected.split()
         passed += ok
         statuses.append("pass" if ok else run["status"])
