@@ -1039,9 +1039,10 @@ def _ifeval_instructions(label: Any) -> list[tuple[str, dict]]:
 
 
 def _answer_text(response: str) -> str:
-    """The part that is checked: no <think> section, no <answer> tags, as open-instruct's reward has it."""
-    text = strip_think(response).replace("<|assistant|>", "")
-    return text.replace("<answer>", "").replace("</answer>", "").strip()
+    """The part that is checked, as open-instruct's reward takes it: what follows the last </think>, without
+    <answer> tags. With no </think>, `strip_think` (an unclosed <think> leaves no answer)."""
+    text = response.rsplit("</think>", 1)[1] if "</think>" in response else strip_think(response)
+    return text.replace("<|assistant|>", "").replace("<answer>", "").replace("</answer>", "").strip()
 
 
 def ifeval(response: str, label: Any) -> VerifierResult:

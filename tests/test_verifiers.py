@@ -364,6 +364,8 @@ def test_ifeval_open_instruct_literal_label_scores_the_fraction():
                                      "detectable_format:title": True}
     assert verify("ifeval", "<<Night>>\nThe moon is bright.", label).score == 1.0
     assert verify("ifeval", "<think>moon</think>", label).score == 0.0  # nothing left after the think block
+    # What follows the last </think> is checked (a second block's content is no answer).
+    assert verify("ifeval", "<think>a</think>x, y<think>b</think><<Night>> The moon.", label).score == 1.0
     assert verify("ifeval", "", label).score == 0.0
     quoted = "[{'instruction_id': ['startend:quotation'], 'kwargs': [None]}]"
     assert verify("ifeval", '<answer>"Quoted."</answer>', quoted).score == 1.0  # answer tags are dropped
@@ -689,6 +691,17 @@ def test_sandbox_mode_is_the_strongest_available_as_root_and_as_an_unprivileged_
     if os.geteuid() == 0 and V._sandbox_mode() != "none":
         assert modes["root"] == "namespace"
     assert modes["unprivileged"] == ("userns" if _userns_works(unprivileged) else "none"), modes
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_the_program_cannot_forge():
+    if V._sandbox_mode() == "none":
+        pytest.skip("no sandbox here")
+    run = V.run_sandboxed({}, ["/nonexistent/python"])
+    assert run["status"] == "sandbox_error" and "nonexistent" in run["stderr"], run
+    forger = ("import os\nfor fd in range(64):\n    try:\n        os.write(fd, b'Traceback: setup failed')\n"
+              "    except OSError:\n        pass\nos._exit(125)")
+    r = verify("code", py(forger), DOUBLE_TESTS)
+    assert (r.score, r.error, r.details["status"]) == (0.0, None, "exit_125"), r
 
 
 def test_no_isolation_refuses_code_unless_allowed(monkeypatch):
