@@ -506,7 +506,8 @@ HOSTILE = {
         "    frame = frame.f_back\nfor c in consts:\n    for i in range(5):\n        try:\n"
         "            os.write(1, (c % i).encode())\n        except Exception:\n            pass\n"
         "for fd in range(3, 20):\n    for i in range(5):\n        try:\n"
-        "            os.write(fd, f'[{i}, 0, [[\"b\", true]]]\\n'.encode())\n        except OSError:\n            pass", 0.0, 4),
+        "            os.write(fd, f'[{i}, 0, [[\"b\", true]]]\\n'.encode())\n"
+        "        except OSError:\n            pass", 0.0, 4),
     "always_equal": ("import builtins\nclass Yes(int):\n    def __eq__(self, other):\n        return True\n"
                      "    __hash__ = int.__hash__\ndef f(x):\n    return Yes(-1)\n"
                      "builtins.AssertionError = type('Nope', (Exception,), {})", 0.0, 4),
@@ -671,18 +672,22 @@ def _drive(prefix: list[str], programs: dict, tests=DOUBLE_TESTS, kill_above_mb:
     kwargs.setdefault("code_timeout", 2)
     kwargs.setdefault("code_memory_mb", 512)
     out = subprocess.run([*prefix, "-c", _DRIVER, json.dumps([programs, tests, kwargs, kill_above_mb])],
-                         capture_output=True, text=True, timeout=300, cwd="/tmp", env={**os.environ, "PYTHONPATH": REPO})
+                         capture_output=True, text=True, timeout=300, cwd="/tmp",
+                         env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
 def _users(unprivileged) -> dict[str, list[str]]:
-    return {"root": [sys.executable], "unprivileged": unprivileged} if os.geteuid() == 0 else {"unprivileged": unprivileged}
+    if os.geteuid() != 0:
+        return {"unprivileged": unprivileged}
+    return {"root": [sys.executable], "unprivileged": unprivileged}
 
 
 def _userns_works(prefix: list[str]) -> bool:
-    return subprocess.run([*prefix, "-c", "import subprocess, sys; sys.exit(subprocess.run(['unshare', '--user', "
-                           "'--map-root-user', '--pid', '--fork', 'true']).returncode)"], capture_output=True).returncode == 0
+    probe = ("import subprocess, sys; sys.exit(subprocess.run(['unshare', '--user', '--map-root-user', '--pid', "
+             "'--fork', 'true']).returncode)")
+    return subprocess.run([*prefix, "-c", probe], capture_output=True).returncode == 0
 
 
 def test_sandbox_mode_is_the_strongest_available_as_root_and_as_an_unprivileged_user(unprivileged):
@@ -720,7 +725,8 @@ ESCAPE = ("import os, time\ndef f(x):\n    return -1\nif os.fork() == 0:\n    os
           "            time.sleep(0.05)\n    os._exit(0)\n")
 # Tries every host directory writable by someone, then fills its own work dir with 1 MB files.
 WRITE_EVERYWHERE = (
-    "import os\ndef f(x):\n    return -1\nfor d in {dirs!r}:\n    try:\n        with open(os.path.join(d, {name!r}), 'w') as out:\n"
+    "import os\ndef f(x):\n    return -1\nfor d in {dirs!r}:\n    try:\n"
+    "        with open(os.path.join(d, {name!r}), 'w') as out:\n"
     "            out.write('x')\n    except OSError:\n        pass\nn = 0\ntry:\n    while n < 1000:\n"
     "        with open(f'fill{{n}}', 'wb') as out:\n            out.write(b'x' * (1 << 20))\n        n += 1\n"
     "except OSError:\n    pass\nimport sys\nprint('files', n, file=sys.stderr)\n")
@@ -850,15 +856,16 @@ def test_venv_under_tmp_through_a_symlink(tmp_path):
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", os.path.join(base, "venv")], check=True)
         site = subprocess.run([os.path.join(base, "venv", "bin", "python"), "-c", "import sysconfig; "
-                               "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True).stdout.strip()
+                               "print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True)
+        site = site.stdout.strip()
         with open(os.path.join(site, "venv_only_pkg.py"), "w") as f:
             f.write("VALUE = 42\n")
         os.symlink(os.path.join(base, "venv"), os.path.join(base, "link"))
         script = ("import json, verifiers as V\nr = V.verify('code', '```python\\nimport venv_only_pkg\\ndef f():\\n"
                   "    return venv_only_pkg.VALUE\\n```', ['assert f() == 42'])\n"
                   "print(json.dumps([V._sandbox_mode(), r.score, r.details]))")
-        out = subprocess.run([os.path.join(base, "link", "bin", "python"), "-c", script], capture_output=True, text=True,
-                             timeout=60, cwd="/", env={**os.environ, "PYTHONPATH": REPO})
+        out = subprocess.run([os.path.join(base, "link", "bin", "python"), "-c", script], capture_output=True,
+                             text=True, timeout=60, cwd="/", env={**os.environ, "PYTHONPATH": REPO})
         mode, score, details = json.loads(out.stdout.splitlines()[-1])
         assert mode == V._sandbox_mode() and score == 1.0, (mode, details, out.stderr[-2000:])
     finally:
