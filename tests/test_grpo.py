@@ -148,18 +148,20 @@ def test_active_sampling_exact_batch_when_most_groups_filtered():
     assert kept == [] and counts["capped"] == 1 and counts["prompts"] == 50
 
 
-def test_offpolicy_bound_and_drop_count():
+def test_offpolicy_lags_recorded_and_groups_kept_unless_max_token_lag():
     def group(*versions):
         return {"samples": [{"versions": list(v)} for v in versions]}
 
     groups = [group([5, 5], [5]), group([4, 5], [5, 5]), group([3, 4, 5], [5]), group([2], [2, 2])]
-    kept, counts, lags = grpo.offpolicy_filter(groups, learner_version=5, async_steps=1)
-    assert kept == groups[:2]
-    assert counts == {"groups_dropped_stale": 2, "samples_dropped_stale": 4}
+    # Default: the bound applies at admission; every group that arrives is trained (long samples span versions).
+    kept, counts, lags, first = grpo.offpolicy_filter(groups, learner_version=5)
+    assert kept == groups and not counts
     assert sorted(lags) == sorted([0, 0, 0] + [1, 0, 0, 0] + [2, 1, 0, 0] + [3, 3, 3])
-    kept, counts, _ = grpo.offpolicy_filter(groups, learner_version=5, async_steps=0)
-    assert kept == groups[:1] and counts["groups_dropped_stale"] == 3
-    kept, counts, _ = grpo.offpolicy_filter(groups, learner_version=5, async_steps=3)
+    assert sorted(first) == sorted([0, 0, 1, 0, 2, 0, 3, 3])  # each sample's first token
+    # --max_token_lag N: the old drop, a whole group with any token more than N versions old.
+    kept, counts, _, _ = grpo.offpolicy_filter(groups, learner_version=5, max_token_lag=1)
+    assert kept == groups[:2] and counts == {"groups_dropped_stale": 2, "samples_dropped_stale": 4}
+    kept, counts, _, _ = grpo.offpolicy_filter(groups, learner_version=5, max_token_lag=3)
     assert kept == groups and not counts
 
 
