@@ -325,6 +325,7 @@ IFEVAL_REFERENCE_QUIRKS = [
     ("change_case:capital_word_frequency", {"capital_frequency": 3, "capital_relation": "less than"},
      "I DON'T know", False),  # I, DO, N'T: treebank tokens, not whitespace words
     ("keywords:start_end", {}, "Hello world hello.", False),  # the final period is the last token
+    ("keywords:exclude_word_harder", {"keyword": "red", "instruction": "Do not say red."}, "A red car.", False),
     ("keywords:keyword_specific_position", {"keyword": "Cat", "n": 1, "m": 2}, "The cat sat.", False),
     ("startend:end_checker", {"end_phrase": "Bye now"}, '"Ok. bye NOW"', True),
     ("length_constraints:number_sentences", {"num_sentences": 3, "relation": "at least"},
@@ -394,7 +395,7 @@ def _hostile_label(inst: str) -> dict:
             "num_sections": 1, "prompt_to_repeat": "a", "end_phrase": "a", "capital_frequency": 1,
             "capital_relation": "at least", "phrase": "The early bird catches the worm", "small_n": 2, "n_start": 1,
             "n_end": 2, "last_word": "a", "N": 2, "n_sent": 2, "n_words": 2, "keyword1": "a", "keyword2": "b", "n": 1,
-            "m": 1}
+            "m": 1, "instruction": "a b"}
     params = list(inspect.signature(V.IFEVAL_CHECKS[inst]).parameters)[1:]
     return {"instruction_id_list": [inst], "kwargs": [{k: pool[k] for k in params}]}
 
@@ -707,6 +708,30 @@ def test_a_sandbox_that_cannot_start_is_an_error_the_program_cannot_forge():
               "    except OSError:\n        pass\nos._exit(125)")
     r = verify("code", py(forger), DOUBLE_TESTS)
     assert (r.score, r.error, r.details["status"]) == (0.0, None, "exit_125"), r
+
+
+def test_bubblewrap_mode_where_it_is_installed(monkeypatch, shared_dir):
+    """bwrap is the mode for machines where it works and util-linux's unshare does not."""
+    if not shutil.which("bwrap"):
+        pytest.skip("bubblewrap is not installed")
+    cgroup = V._SANDBOX.get("cgroup") if "mode" in V._SANDBOX or V._sandbox_mode() else {}
+    if os.geteuid() == 0 and not cgroup:
+        pytest.skip("as root only a cgroup bounds a fork bomb in bwrap (RLIMIT_NPROC does not bind root)")
+    monkeypatch.setattr(V, "_SANDBOX", {"mode": "bwrap", "cgroup": cgroup})
+    if V._probe("bwrap"):
+        pytest.skip(f"bwrap does not work here: {V._probe('bwrap')}")
+    marker = os.path.join(shared_dir, "escaped")
+    programs = {name: HOSTILE[name] for name in ("fork_bomb", "kill_parent", "kill_all", "forged_from_callers_frame",
+                                                  "always_equal", "memory_bomb")}
+    programs["escape"] = (ESCAPE.format(marker=marker), 0.0, 4)
+    programs["write_everywhere"] = (WRITE_EVERYWHERE.format(dirs=[shared_dir, "/var/tmp"], name="bwrap_marker"), 0.0, 4)
+    for name, (program, max_score, seconds) in programs.items():
+        t0 = time.time()
+        r = verify("code", py(program), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
+        assert r.error is None and r.score <= max_score and time.time() - t0 < seconds, (name, r)
+    assert verify("code", py(GOOD_F), DOUBLE_TESTS).score == 1.0
+    time.sleep(0.3)
+    assert os.listdir(shared_dir) == [] and not os.path.exists("/var/tmp/bwrap_marker")
 
 
 def test_no_isolation_refuses_code_unless_allowed(monkeypatch):
