@@ -402,12 +402,14 @@ def _ends_sentence(word: str, next_word: str) -> bool:
     """Whether punkt would end a sentence after this word, approximately: after a final period, unless it is an
     ellipsis, or an abbreviation, initial or number that the next word does not show to end a sentence."""
     core = word.rstrip(_CLOSERS)
-    if not core.endswith(".") or core.endswith(".."):
+    if not core.endswith("."):
         return False
+    starts = _ortho_starts_sentence(word[len(core):] or next_word)  # a closing bracket or quote comes next
+    if core.endswith(".."):  # an ellipsis, like an abbreviation
+        return starts is True
     stem = core[:-1].lstrip(_CLOSERS + "([{<\u201c\u2018`").lower()
     if not stem:
         return False
-    starts = _ortho_starts_sentence(word[len(core):] or next_word)  # a closing bracket or quote comes next
     if re.fullmatch(r"-?[.,]?\d[\d,.-]*", stem):  # a number: only a lowercase word or a mark keeps the sentence
         return starts is not False
     if len(stem) == 1 and stem.isalpha():  # an initial: some are listed abbreviations; a name may follow
