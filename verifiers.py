@@ -1845,49 +1845,50 @@ def _decode(x: Any) -> Any:
     return _Opaque(str(x[1])[:1000])
 
 
-def _is_local(node: ast.expr, shadowed: set[str]) -> bool:
+def _is_local(node: ast.expr, names: set[str]) -> bool:
+    """A builtin (or a constant the test itself set) or one of math's, evaluated here."""
     if isinstance(node, ast.Name):
-        return node.id in _LOCAL_CALLS and node.id not in shadowed
+        return node.id in names
     if isinstance(node, ast.Attribute):
-        return (isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _LOCAL_MATH
-                and "math" not in shadowed)
+        return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _LOCAL_MATH and (
+            "math" in names)
     return False
 
 
-def _test_only(node: ast.expr, shadowed: set[str]) -> bool:
+def _test_only(node: ast.expr, names: set[str]) -> bool:
     """True when `node` needs nothing of the program: literals, builtins, math, comprehensions over them."""
     bound = {n.id for c in ast.walk(node) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)
              if isinstance(n, ast.Name)}
-    names = (set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | bound) - shadowed
+    allowed = names | bound | (_TEST_ONLY_CALLS - _SHADOWED_MARK.intersection(names))
     for n in ast.walk(node):
         if not isinstance(n, _TEST_ONLY_NODES):
             return False
-        if isinstance(n, ast.Name) and n.id not in names:
+        if isinstance(n, ast.Name) and n.id not in allowed:
             return False
-        if isinstance(n, ast.Attribute) and not (_is_local(n, shadowed) or n.attr in _LOCAL_METHODS):
+        if isinstance(n, ast.Attribute) and not (_is_local(n, names) or n.attr in _LOCAL_METHODS):
             return False
     return True
 
 
-def _split(node: ast.expr, leaves: list[str], shadowed: set[str]) -> ast.expr:
+def _split(node: ast.expr, leaves: list[str], names: set[str]) -> ast.expr:
     """`node` with each maximal part that needs the program replaced by a name `_v<k>` (its source
     appended to `leaves`, for the sandbox to evaluate)."""
-    if _is_local(node, shadowed) or _test_only(node, shadowed):
+    if _is_local(node, names) or _test_only(node, names):
         return node
     method = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LOCAL_METHODS
     if method:  # `f(x).strip()`: the method of the plain value it reported, called here
-        node.func.value = _split(node.func.value, leaves, shadowed)
-    if method or isinstance(node, ast.Call) and _is_local(node.func, shadowed):
-        node.args = [_split(a, leaves, shadowed) for a in node.args]
+        node.func.value = _split(node.func.value, leaves, names)
+    if method or isinstance(node, ast.Call) and _is_local(node.func, names):
+        node.args = [_split(a, leaves, names) for a in node.args]
         for kw in node.keywords:
-            kw.value = _split(kw.value, leaves, shadowed)
+            kw.value = _split(kw.value, leaves, names)
         return node
     if isinstance(node, _LOCAL_NODES):
         for field, value in ast.iter_fields(node):
             if isinstance(value, ast.expr):
-                setattr(node, field, _split(value, leaves, shadowed))
+                setattr(node, field, _split(value, leaves, names))
             elif isinstance(value, list):
-                setattr(node, field, [_split(v, leaves, shadowed) if isinstance(v, ast.expr) else v for v in value])
+                setattr(node, field, [_split(v, leaves, names) if isinstance(v, ast.expr) else v for v in value])
         return node
     leaves.append(ast.unparse(node))
     return ast.copy_location(ast.Name(id=f"_v{len(leaves) - 1}", ctx=ast.Load()), node)
@@ -1895,21 +1896,31 @@ def _split(node: ast.expr, leaves: list[str], shadowed: set[str]) -> ast.expr:
 
 def _plan_test(test: str, shadowed: set[str]) -> tuple[list, list] | None:
     """(steps for the sandbox: ["exec", source] runs there, ["eval", [sources]] reports values;
-    one check here per top-level assert: its expression over those values). None: no such assert."""
+    steps here: ("check", j, expression over the values of step j, how many) per top-level assert,
+    ("set", statement) for `name = <test-only expression>`, so that an expected value the test
+    keeps in a variable is also computed here, out of the program's reach). None: no such assert."""
     try:
         tree = ast.parse(test)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    steps, checks = [], []
+    names = (set(_LOCAL_CALLS) | {"math"}) - shadowed
+    steps, here = [], []
     for stmt in tree.body:
         if isinstance(stmt, ast.Assert):
             leaves: list[str] = []
-            expr = ast.fix_missing_locations(ast.Expression(_split(stmt.test, leaves, shadowed)))
+            expr = ast.fix_missing_locations(ast.Expression(_split(stmt.test, leaves, names)))
             steps.append(["eval", leaves])
-            checks.append((len(steps) - 1, compile(expr, "<test>", "eval"), len(leaves)))
+            here.append(("check", len(steps) - 1, compile(expr, "<test>", "eval"), len(leaves)))
+            continue
+        steps.append(["exec", ast.unparse(stmt)])
+        stored = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        simple = isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+        if simple and stmt.targets[0].id not in shadowed and _test_only(stmt.value, names):
+            here.append(("set", compile(ast.Module([stmt], []), "<test>", "exec")))
+            names.add(stmt.targets[0].id)
         else:
-            steps.append(["exec", ast.unparse(stmt)])
-    return (steps, checks) if checks else None
+            names -= stored
+    return (steps, here) if any(h[0] == "check" for h in here) else None
 
 
 def _top_level_names(program: str) -> set[str]:
@@ -1929,7 +1940,7 @@ def _top_level_names(program: str) -> set[str]:
 def _reports(channel: str, plans: list) -> dict[tuple[int, int], list | None]:
     """(test, step) -> the values the sandbox reported for an assert; None where reports disagree.
     Each decoded once, and only where an assert waits for it: the program may write anything here."""
-    expected = {(i, j) for i, plan in enumerate(plans) if plan for j, _, _ in plan[1]}
+    expected = {(i, step[1]) for i, plan in enumerate(plans) if plan for step in plan[1] if step[0] == "check"}
     raw: dict = {}
     for line in channel.splitlines():
         try:
@@ -1954,11 +1965,15 @@ def _test_passed(i: int, plan: tuple[list, list] | None, reports: dict) -> bool:
         return False
     namespace = {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS, "range": range, "enumerate": enumerate,
                  "zip": zip, "map": map, "filter": filter}
-    for j, check, num_leaves in plan[1]:
-        values = reports.get((i, j))
-        if values is None or len(values) != num_leaves:
-            return False
+    for step in plan[1]:
         try:
+            if step[0] == "set":  # the test's own constant, e.g. `expected = [1, 2]`
+                exec(step[1], namespace)
+                continue
+            _, j, check, num_leaves = step
+            values = reports.get((i, j))
+            if values is None or len(values) != num_leaves:
+                return False
             if not eval(check, namespace, _Leaves((f"_v{k}", v) for k, v in enumerate(values))):
                 return False
         except Exception:  # raised in the sandbox, or here (a type error on the program's values)

@@ -376,7 +376,8 @@ def test_ifeval_punkt_sentences():
     # The counts NLTK's punkt (English model) gives.
     for text, count in [("Dr. Smith met Mr. Jones at 5 p.m. on Jan. 5th. They talked.", 2), ("Good luck!!", 2),
                         ("It costs 10 dollars vs. 20 dollars. Choose wisely.", 2), ("1. Apples\n2. Pears", 3),
-                        ("The end. and then we left.", 2), ("This is **bold.** Next one.", 2), ("Is it? Yes. No!", 3)]:
+                        ("The end. and then we left.", 2), ("This is **bold.** Next one.", 2), ("Is it? Yes. No!", 3),
+                        ("Wait... it is fine.", 1), ("Wait... The end.", 2)]:
         assert len(V.punkt_sentences(text)) == count, (text, V.punkt_sentences(text))
 
 
