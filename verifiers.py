@@ -1696,7 +1696,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
                 status, err = "sandbox_error", (_read(fstatus, 4000) or _read(ferr, 4000))[-2000:]
             if status != "sandbox_error":
                 err = _read(ferr, 64 << 10)[-2000:]
-            out, chan = _read(fout, max_output), _read(fchan, max_output)
+            out, chan = _read(fout, max_output), _read(fchan, 8 << 20)  # values of big results too
         return {"status": status, "stdout": out, "stderr": err, "seconds": seconds, "channel": chan}
     finally:
         _release_uid(uid)
@@ -1847,8 +1847,8 @@ def _decode(x: Any) -> Any:
 
 def _is_local(node: ast.expr, names: set[str]) -> bool:
     """A builtin (or a constant the test itself set) or one of math's, evaluated here."""
-    if isinstance(node, ast.Name):
-        return node.id in names
+    if isinstance(node, ast.Name):  # range() and the like only over the test's own values: no range(f(x)) here
+        return node.id in names and node.id not in _TEST_ONLY_CALLS
     if isinstance(node, ast.Attribute):
         return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _LOCAL_MATH and (
             "math" in names)
@@ -1859,7 +1859,7 @@ def _test_only(node: ast.expr, names: set[str]) -> bool:
     """True when `node` needs nothing of the program: literals, builtins, math, comprehensions over them."""
     bound = {n.id for c in ast.walk(node) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)
              if isinstance(n, ast.Name)}
-    allowed = names | bound | (_TEST_ONLY_CALLS - _SHADOWED_MARK.intersection(names))
+    allowed = names | bound
     for n in ast.walk(node):
         if not isinstance(n, _TEST_ONLY_NODES):
             return False
@@ -1903,7 +1903,7 @@ def _plan_test(test: str, shadowed: set[str]) -> tuple[list, list] | None:
         tree = ast.parse(test)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    names = (set(_LOCAL_CALLS) | {"math"}) - shadowed
+    names = (set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | {"math"}) - shadowed
     steps, here = [], []
     for stmt in tree.body:
         if isinstance(stmt, ast.Assert):

@@ -837,18 +837,29 @@ def test_fork_of_60_children_stays_within_the_memory_budget(unprivileged):
     assert os.getppid() > 1
 
 
+def _left_by(names, worker: int) -> list[str]:
+    """Sandbox dirs (work dirs, cgroups) among `names` that no live process other than `worker` owns
+    (other runs on this machine may be going on)."""
+    def alive_other(name: str) -> bool:
+        owner = name[len("verifiers_run_"):].split("_")[0]
+        if not owner.isdigit() or int(owner) == worker:
+            return False
+        return os.path.exists(f"/proc/{owner}")
+
+    return [n for n in names if n.startswith("verifiers_run_") and not alive_other(n)]
+
+
 def test_killed_worker_leaves_no_work_dir_behind():
     """Finding 4: the pool kills a worker in the middle of a run; its work dir (and cgroup) go too."""
     tmp = tempfile.gettempdir()
     before = set(os.listdir(tmp))
     with VerifierPool(num_workers=1, timeout=1.5, code_timeout=30, budget=30) as pool:
+        worker = pool._all[0][0].pid
         r = pool.score([("code", py(GOOD_F + "import time\ntime.sleep(60)"), DOUBLE_TESTS)])[0]
         assert r.error == "timeout", r
-        left = [n for n in set(os.listdir(tmp)) - before if n.startswith("verifiers_")]
-        assert left == [], left
-        cgroups = [os.path.join(b, n) for b in (V._SANDBOX.get("cgroup") or {}).values() for n in os.listdir(b)
-                   if n.startswith("verifiers_")]
-        assert cgroups == []
+        assert _left_by(set(os.listdir(tmp)) - before, worker) == []
+        for base in (V._SANDBOX.get("cgroup") or {}).values():
+            assert _left_by(os.listdir(base), worker) == [], base
         assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].score == 1.0  # and the pool goes on
 
 
@@ -873,6 +884,11 @@ def test_code_judges_common_assert_forms_here():
     plan = V._plan_test("assert f(2) == 4 and g(3) in {5, 6}", set())
     assert plan[0] == [["eval", ["f(2)", "g(3)"]]]
     assert V._plan_test("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass", set()) is None
+    # an expected value the test keeps in a variable is computed here too: f cannot rewrite it in passing
+    sneaky = py("def f(x):\n    globals()['expected'] = -1\n    return -1")
+    assert verify("code", sneaky, ["expected = [1, 2]\nassert f(0) == expected", "assert f(0) == -1"]).score == 0.5
+    plan = V._plan_test("n = 3\nxs = f(n)\nassert xs == list(range(n))\nn = g()\nassert n == 2", set())
+    assert plan[0] == [["exec", "n = 3"], ["exec", "xs = f(n)"], ["eval", ["xs"]], ["exec", "n = g()"], ["eval", ["n"]]]
 
 
 def test_venv_under_tmp_through_a_symlink(tmp_path):
