@@ -1690,7 +1690,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
                 if status != "ok" and mode == "namespace":
                     _wait_uid_gone(uid)
             seconds = time.monotonic() - t0
-            if fout.seek(0, os.SEEK_END) >= _FSIZE:
+            if max(fout.seek(0, os.SEEK_END), ferr.seek(0, os.SEEK_END)) >= _FSIZE:
                 status = "output_limit"
             if _failed_to_start(mode, _read(fstatus, 4000)):
                 status, err = "sandbox_error", (_read(fstatus, 4000) or _read(ferr, 4000))[-2000:]

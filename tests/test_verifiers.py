@@ -1119,6 +1119,7 @@ def test_cli():
     out = run("--verifier", "gsm8k", "--label", "1234", stdin="The answer is 1,234.")
     assert json.loads(out.stdout) | {"elapsed": 0} == {"score": 1.0, "error": None, "extracted": "1234",
                                                         "verifier": "gsm8k", "details": None, "elapsed": 0}, out.stderr
+    assert out.stderr.count("code sandbox: ") == 1  # the mode model-written code would run in, said once
     out = run("--verifier", "math", "--label", "7", "--timeout", "2", stdin="\\boxed{9^{9^{9^{9}}}}")
     assert json.loads(out.stdout)["error"] == "timeout", out.stderr
     assert run("--help", stdin="").returncode == 0
