@@ -102,8 +102,6 @@ import multiprocessing
 import os
 import queue
 import re
-import secrets
-import shlex
 import shutil
 import signal
 import string
@@ -1162,7 +1160,7 @@ def up_to_max_length(response: str, label: Any, num_tokens: int | None = None) -
 # ---------------------------------------------------------------------------------------------
 # code: a sandboxed subprocess per run (see the module docstring)
 
-_SANDBOX: dict = {}  # {"mode": "namespace" | "userns" | "none", "cgroup": {kind: base dir}}, probed once
+_SANDBOX: dict = {}  # {"mode": one of _MODES, "cgroup": {kind: base dir} or {}}, probed once per process
 _SANDBOX_LOCK = threading.Lock()
 _UID_LOCK = threading.Lock()
 _UID_SLOTS: dict[int, queue.Queue] = {}  # pid -> free sandbox uids
