@@ -737,13 +737,22 @@ def test_bubblewrap_mode_where_it_is_installed(monkeypatch, shared_dir):
     assert os.listdir(shared_dir) == [] and not os.path.exists("/var/tmp/bwrap_marker")
 
 
-def test_no_isolation_refuses_code_unless_allowed(monkeypatch):
+def test_no_isolation_refuses_code_unless_allowed(monkeypatch, caplog):
     monkeypatch.setattr(V, "_SANDBOX", {"mode": "none", "cgroup": V._SANDBOX.get("cgroup", {})})
     assert verify("code", py(GOOD_F), DOUBLE_TESTS).error == "sandbox_unavailable"
     assert verify("code_stdio", py("print(2)"), [{"input": "", "output": "2"}]).error == "sandbox_unavailable"
     assert "NO ISOLATION" in V.sandbox_description()
     r = verify("code", py(GOOD_F), DOUBLE_TESTS, allow_unsandboxed_code=True)
     assert (r.score, r.error) == (1.0, None), r
+    # a trainer's pool: refused and counted, or, when allowed, run with a warning at every call
+    with VerifierPool(num_workers=1, timeout=10) as pool:
+        assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].error == "sandbox_unavailable"
+        assert pool.error_counts == {"code/sandbox_unavailable": 1}
+    with VerifierPool(num_workers=1, timeout=10, allow_unsandboxed_code=True) as pool:
+        for _ in range(2):
+            with caplog.at_level("WARNING", logger="verifiers"):
+                assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].score == 1.0
+        assert sum("UNSANDBOXED" in m for m in caplog.messages) == 2
 
 
 # A wrong f; a grandchild in a session of its own keeps appending to a file outside the work dir.
