@@ -130,6 +130,16 @@ class VerifierResult:
 
 # Errors that mean "the response had nothing gradable" rather than "the verifier failed".
 ANSWER_ERRORS = frozenset({"no_answer", "syntax_error"})
+# Errors the response caused: nothing gradable in it, its check ran out of time (a hostile input can make
+# any check slow), or a verifier raised on it ("exception:<Type>"). A trainer scores these 0 and counts
+# them. Every other error ("worker_died", "judge_*", "sandbox_*", "bad_label", ...) is the
+# infrastructure's or the data's: the sample says nothing about the response, so it is dropped and counted.
+RESPONSE_ERRORS = ANSWER_ERRORS | {"timeout"}
+
+
+def caused_by_response(error: str | None) -> bool:
+    """True for an error that the response itself caused (see RESPONSE_ERRORS)."""
+    return error is not None and (error in RESPONSE_ERRORS or error.startswith("exception:"))
 
 
 def _fail(error: str, extracted: str | None = None, **details) -> VerifierResult:
@@ -1413,32 +1423,32 @@ def _remove_cgroup(dirs: list[str], timeout: float = 3.0) -> None:
 
 def cleanup_sandboxes(pid: int | None = None) -> None:
     """Remove the work dirs and cgroups of sandboxes whose process is gone: all of `pid`'s (a pool
-    worker just killed), or, with no pid, those of any process that no longer exists."""
-    def gone(name: str) -> bool:
+    worker just killed), or, with no pid, those of any process that no longer exists and older than
+    10 minutes (a process of another pid namespace sharing this temp dir may be alive)."""
+    def gone(path: str) -> bool:
         try:
-            owner = int(name[len(_RUN_PREFIX):].split("_")[0])
-        except ValueError:
-            return False
-        if pid is not None:
-            return owner == pid
-        try:
+            owner = int(os.path.basename(path)[len(_RUN_PREFIX):].split("_")[0])
+            if pid is not None:
+                return owner == pid
+            if time.time() - os.stat(path).st_mtime < 600:
+                return False
             os.kill(owner, 0)
         except ProcessLookupError:
             return True
-        except OSError:
+        except (OSError, ValueError):  # alive (another user's), or not one of ours
             pass
         return False
 
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
-        if name.startswith(_RUN_PREFIX) and gone(name):
+        if name.startswith(_RUN_PREFIX) and gone(os.path.join(tmp, name)):
             shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
     for base in (_SANDBOX.get("cgroup") or {}).values():
         try:
-            names = [n for n in os.listdir(base) if n.startswith(_RUN_PREFIX) and gone(n)]
+            names = [os.path.join(base, n) for n in os.listdir(base) if n.startswith(_RUN_PREFIX)]
         except OSError:
             continue
-        _remove_cgroup([os.path.join(base, n) for n in names])
+        _remove_cgroup([n for n in names if gone(n)])
 
 
 # ---- starting and ending a run
