@@ -1307,6 +1307,8 @@ def _interpreter_paths() -> list[str]:
     paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))]
     paths += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    # an interpreter of a cluster's module system may find its libraries only through LD_LIBRARY_PATH
+    paths += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if os.path.isabs(p) and os.path.isdir(p)]
     return paths
 
 
@@ -1467,9 +1469,12 @@ def _limits(timeout: float, memory_mb: int, cgroup: bool) -> tuple[list[tuple[st
 
 
 def _sandbox_env() -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+           "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if os.environ.get("LD_LIBRARY_PATH"):  # its directories are bound read-only (_interpreter_paths)
+        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+    return env
 
 
 def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
