@@ -6,7 +6,7 @@
 #   2. continuous_drained   --batching continuous --no_inflight_updates   (engine kept full, drained for weights)
 #   3. continuous_inflight  --batching continuous --inflight_updates      (Olmo 3: weights loaded mid-generation)
 # Columns: generated tokens/s, learner tokens/s, trained (kept) tokens/s, steps, mean step time, learner steps/min, actor MFU
-# and MBU (DESIGN.md sec 3: weights counted once per engine step), actor engine occupancy, time the
+# and MBU (weights counted once per engine step, never once per sequence), actor engine occupancy, time the
 # actors waited for weights, time the learner waited for data, the static batch's wasted-compute
 # fraction ((max - mean length) / max), weight sync time and its share of a learner step, stale
 # groups dropped, and each configuration's speedup over the first. Writes results.json,
@@ -47,9 +47,11 @@
 # defaults to 4 here, for all three configurations (grpo.py's own default is 1). Each engine gets
 # MAX_NUM_SEQS = 2 x one step's completions per actor (8 on the CPU default): room to run the next
 # step while the current one's tail finishes, which is what continuous batching is for. More slots
-# make each sequence slower, and under inflight updates more of the long ones outlive the bound and
-# are dropped as stale (measured, 30 steps with ASYNC_STEPS 4: 7 groups dropped with 8 slots, 29
-# with 16, and the kept responses got shorter, 217 vs 167 tokens on average).
+# make each sequence slower. The bound applies at admission (a prompt starts only on weights recent
+# enough for the step that trains on it); a long sample admitted within it is trained even when its
+# later tokens come from newer versions, so no group is dropped and every configuration trains on the
+# same length distribution (grpo.py's old rule dropped such groups: 7 per 30 steps with 8 slots, 29
+# with 16, and the kept responses got 18% shorter under inflight updates).
 #
 # What to expect. Static batching generates one step's share at a time (4 of the 8 slots on the
 # CPU default) and waits for its longest response before it takes the next batch. Continuous
@@ -57,9 +59,11 @@
 # updates it still stops admitting at every learner step and drains before it loads the new
 # weights (the newest that has arrived; older ones are skipped), so its engine is idle part of the
 # time; inflight updates remove the drain. Under inflight updates a long sequence spans several
-# learner versions, and a group with any token more than ASYNC_STEPS versions old is dropped as
-# stale (grpo.py's off-policy rule, DESIGN.md): the table's `stale groups dropped` and `trained
-# tok/s` show what that costs, and why learner steps/min can rise less than generated tokens/s.
+# learner versions; the table's `token lag` column shows how many on average.
+#
+# Peaks. MFU and MBU divide by the device's peaks. On GPUs these are the datasheet's; on CPU they are
+# measured once here, before the runs (an fp32 matmul and a memory copy on the cores an actor rank is
+# pinned to), and passed to every configuration, so the three divide by the same numbers.
 #
 # Environment variables (defaults: the CPU toy run; the paper's values in brackets):
 #   MODEL                 HF model dir or hub name (default: toy.py model, built once in CACHE_DIR)
@@ -103,8 +107,8 @@
 #   TORCHRUN_ARGS="--node-rank <0|1> --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:29500 --rdzv-id bench" \
 #   RESULTS_DIR=results/table23 bash bench_infra.sh
 # (the same RESULTS_DIR path on both nodes; node 0 prints the table). On GPUs MFU / MBU use the
-# datasheet peaks (grpo.py GPU_PEAKS); on CPU the peaks are a measured fp32 matmul and memory copy,
-# and the table says so.
+# datasheet peaks (grpo.py GPU_PEAKS); on CPU the peaks are a measured fp32 matmul and memory copy
+# (PEAK_FLOPS and PEAK_MEMORY_BANDWIDTH, in FLOP/s and B/s, skip the measurement), and the table says so.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [[ -z "${PYTHON:-}" ]]; then
@@ -121,7 +125,7 @@ import json, math, os, sys
 out_dir = sys.argv[1]
 ORDER = ["static_drained", "continuous_drained", "continuous_inflight"]
 TARGETS = {"continuous_vs_static_gen": 1.5, "inflight_vs_drained_steps_per_min": 1.3, "occupancy_continuous": 0.90,
-           "weight_sync_share_of_step": 0.10}
+           "weight_sync_share_of_step": 0.10, "stale_groups_dropped": 0, "kept_length_spread": 0.05}
 
 
 def read_run(name):
@@ -173,6 +177,7 @@ def read_run(name):
         "mean_weight_sync_s": s["mean_weight_sync_s"],
         "weight_sync_share_of_step": s["mean_weight_sync_s"] / max(s["mean_step_time_s"], 1e-9),
         "groups_dropped_stale": sum(r.get("rollout/groups_dropped_stale", 0) for r in steps),
+        "token_lag_mean": sum(r.get("rollout/lag_mean", 0.0) for r in steps) / len(steps),
         "prompts_consumed": sum(r.get("rollout/prompts_consumed", 0) for r in steps),
         "response_length_mean": sum(lens_mean) / len(lens_mean) if lens_mean else float("nan"),
         "response_length_max": max(lens_max) if lens_max else 0,
@@ -211,6 +216,12 @@ if cont:
     targets["occupancy_continuous"] = {"measured": v, "target": ">= 0.90 (min over continuous runs)", "holds": v >= 0.9}
 v = max(r["weight_sync_share_of_step"] for r in rows)
 targets["weight_sync_share_of_step"] = {"measured": v, "target": "< 0.10 (max over runs)", "holds": v < 0.1}
+v = sum(r["groups_dropped_stale"] for r in rows)
+targets["stale_groups_dropped"] = {"measured": v, "target": "0 (sum over runs)", "holds": v == 0}
+lengths = [r["response_length_mean"] for r in rows]
+if len(lengths) > 1:  # the off-policy rule must not select against long answers in any configuration
+    v = max(lengths) / max(min(lengths), 1e-9) - 1
+    targets["kept_length_spread"] = {"measured": v, "target": "< 0.05 (max / min mean kept length - 1)", "holds": v < 0.05}
 # Not targets, context for them: the whole Olmo 3 actor (continuous batching with inflight updates)
 # against static batching, each continuous run's occupancy (with drained updates the engine admits
 # nothing while it drains at every learner step), and inflight vs drained in trained tokens/s, which,
@@ -233,7 +244,8 @@ COLS = [("config", "config", "{}"), ("gen tok/s", "generated_tokens_per_s", "{:.
         ("actor MFU", "actor_mfu", "{:.2%}"), ("actor MBU", "actor_mbu", "{:.2%}"), ("occupancy", "actor_occupancy", "{:.1%}"),
         ("actor weight wait s", "actor_weight_wait_s", "{:.1f}"), ("learner data wait s", "learner_data_wait_s", "{:.1f}"),
         ("static waste", "static_wasted_fraction", "{:.1%}"), ("weight sync s", "mean_weight_sync_s", "{:.2f}"),
-        ("sync/step", "weight_sync_share_of_step", "{:.1%}"), ("stale groups dropped", "groups_dropped_stale", "{}")]
+        ("sync/step", "weight_sync_share_of_step", "{:.1%}"), ("token lag", "token_lag_mean", "{:.2f}"),
+        ("stale groups dropped", "groups_dropped_stale", "{}")]
 
 
 def fmt(f, v):
@@ -374,6 +386,28 @@ else
 fi
 (( ENFORCE_EAGER )) && COMMON+=(--enforce_eager)
 
+# Peaks for MFU / MBU, once for all configurations (see the header). On CPU: measured on the cores an
+# actor rank gets (grpo.py's split of this node's cores; all of them when colocated), with that many threads.
+if [[ -z "${PEAK_FLOPS:-}" || -z "${PEAK_MEMORY_BANDWIDTH:-}" ]]; then
+    read -r MEASURED_FLOPS MEASURED_BW < <("$PYTHON" - "$NPROC" "$NUM_LEARNERS" <<'PYEOF'
+import os, sys
+import torch
+import grpo
+nproc, learners = int(sys.argv[1]), int(sys.argv[2])
+cores = sorted(os.sched_getaffinity(0))
+if nproc > 1:  # the first actor rank's share, as grpo.py --cpu_affinity pins it
+    cores = grpo.split_cores(cores, min(learners, nproc - 1), nproc) or cores
+os.sched_setaffinity(0, cores)
+torch.set_num_threads(len(cores))
+flops, bandwidth, _ = grpo.measure_peaks("cuda" if torch.cuda.is_available() else "cpu")
+print(f"{flops:.6g} {bandwidth:.6g}")
+PYEOF
+)
+    PEAK_FLOPS=${PEAK_FLOPS:-$MEASURED_FLOPS}
+    PEAK_MEMORY_BANDWIDTH=${PEAK_MEMORY_BANDWIDTH:-$MEASURED_BW}
+fi
+COMMON+=(--peak_flops "$PEAK_FLOPS" --peak_memory_bandwidth "$PEAK_MEMORY_BANDWIDTH")
+
 cat <<EOF | tee "$RESULTS_DIR/settings.txt"
 bench_infra.sh: Olmo 3 Table 23 ablation, $(date -u +%FT%TZ) on $(hostname) ($(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg))
   mode:      $MODE
@@ -382,6 +416,7 @@ bench_infra.sh: Olmo 3 Table 23 ablation, $(date -u +%FT%TZ) on $(hostname) ($(n
   per step:  $PROMPTS_PER_STEP prompts x $SAMPLES_PER_PROMPT samples, max prompt $MAX_PROMPT_LENGTH, max response $MAX_RESPONSE_LENGTH, $MAX_NUM_SEQS vLLM slots per engine, async_steps $ASYNC_STEPS
   lengths:   $LENGTHS
   budget:    $STEPS learner steps per configuration, seed $SEED, enforce_eager=$ENFORCE_EAGER
+  peaks:     $PEAK_FLOPS FLOP/s, $PEAK_MEMORY_BANDWIDTH B/s per engine (every configuration divides by these)
   configs:   $CONFIGS
   results:   $RESULTS_DIR
   command:   ${LAUNCH[*]} ${COMMON[*]} $EXTRA_ARGS --output_dir $RESULTS_DIR/CONFIG --batching ... --inflight_updates true|false

@@ -1,7 +1,7 @@
 """Olmo 3 chat templates, trained-token labels, dataset tokenization and tokenizer tools.
 
 Shared by sft.py, dpo.py and grpo.py: every token a stage trains on is chosen here, so this module
-is built to make wrong labels loud (seed 002, DESIGN.md section 4; Olmo 3's team lost time to a
+is built to make wrong labels loud (the Olmo 3 tokenizer-settings notes; Olmo 3's team lost time to a
 masked opening `<think>` and to drifting templates).
 
 Templates (`TEMPLATES`, rendered text identical to the released Olmo 3 tokenizers):

@@ -2,20 +2,21 @@
 
 Implements Olmo 3 sec 4.4 (OlmoRL infrastructure) in one file: continuous batching, active sampling,
 inflight weight updates, an off-policy bound, truncated importance sampling, clip-higher, and
-token-level loss normalization. Data flow (DESIGN.md sec 2):
+token-level loss normalization. Data flow:
 
     learner 0: prompt sampler -> actors (prefetch queue) -> vLLM engine kept full (add_request / step)
     actors -> learner 0: each finished group (token ids, vLLM sampling logprobs, policy version per token)
-    learner 0: verifiers.py rewards -> off-policy bound -> drop zero-std groups, keep pulling until
-               exactly `num_unique_prompts_per_step` groups carry gradient (active sampling)
-               -> advantages -> pack -> split evenly across learners
+    learner 0: verifiers.py rewards -> drop zero-std groups, keep pulling until exactly
+               `num_unique_prompts_per_step` groups carry gradient (active sampling)
+               -> advantages -> pack -> split evenly across learners -> batch packed rows per forward
     learners: clipped loss + optimizer step -> learner 0 gathers full weights -> every actor
     actors: load the new weights between two engine steps, keep running requests and their KV cache
             (inflight update), then check the engine against the learner on a fixed probe sequence
 
 Roles. torchrun ranks [0, num_learners) are learners (one learner: plain module; several: FSDP2),
 the other ranks are actors, each owning one vLLM engine (vLLM spawns its engine process). With one
-process (`python grpo.py`) the actor runs in a thread beside the learner. nccl on GPU, gloo on CPU;
+process (`python grpo.py`) the actor runs in a thread beside the learner (on CPU each gets half of
+the cores, `--cpu_affinity`, as torchrun ranks do). nccl on GPU, gloo on CPU;
 separate gloo groups carry prompts, finished groups (Python objects) and weights between roles, and
 every wait between roles has a timeout (`--timeout_s`).
 
@@ -166,6 +167,9 @@ class Args:
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
     enforce_eager: bool = field(default=False, metadata={"aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
     pack_length: int = field(default=0, metadata={"help": "Tokens per packed learner row (0: max_prompt_length + max_response_length)."})
+    forward_tokens: int = field(default=0, metadata={
+        "help": "Padded tokens per learner forward pass: packed rows are batched up to this (0: the larger of "
+                "pack_length and 16384). The memory plan counts it."})
     bf16: bool | None = field(default=None, metadata={
         "help": "Train in bf16: bf16 compute, fp32 master weights, optimizer state and gradient reduction (FSDP2 "
                 "mixed precision, or autocast with one learner). Default: on for GPU, off on CPU."})
@@ -175,13 +179,14 @@ class Args:
         "help": "Tokens per chunk of the LM head + log-softmax, recomputed in backward: logits memory is "
                 "chunk x vocab, never pack_length x vocab."})
     cpu_affinity: bool = field(default=True, metadata={"help": "CPU torchrun runs only: give each rank on a node its own share of the cores (actors bind vLLM's threads to theirs). Without it vLLM's engine process busy-polls its worker and starves the learner of a core."})
-    weight_dir: str = field(default="", metadata={
-        "help": "Where weight updates are staged for the engines (default /dev/shm, else $TMPDIR); needs room for one "
-                "copy of the weights."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={
+        "help": "GPUs per vLLM engine (tensor parallel). An actor rank drives one engine of this many GPUs: on a node, "
+                "torchrun --nproc-per-node = its learners + its engines, and it needs learners + engines x this GPUs."})
     timeout_s: float = field(default=1800.0, metadata={"help": "Longest wait between roles (data, weights) before failing with an error; must exceed the longest learner step (with eval and checkpoint)."})
     startup_timeout_s: float = field(default=1800.0, metadata={"help": "Longest wait for the actors' engines to start (vLLM compiles; slow on a busy CPU)."})
     probe_tolerance: float = field(default=0.0, metadata={"help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
     verifier_workers: int = field(default=2, metadata={"help": "Verifier processes."})
+    max_infra_failure_rate: float = field(default=0.25, metadata={"help": "Stop the run when verifier infrastructure failures (lost workers, an unreachable judge) exceed this share of a step's samples for 3 steps in a row."})
     verifier_timeout: float = field(default=10.0, metadata={"help": "Seconds per verifier row."})
     allow_unsandboxed_code: bool = field(default=False, metadata={"help": (
         "Run model-written code (code / code_stdio rows) even where no sandbox is available (no user "
@@ -203,7 +208,8 @@ UNSUPPORTED_FLAGS = {
                              "[0, num_learners) learn, the others run one vLLM engine each",
     "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
                         "(engines = world size - num_learners)",
-    "vllm_tensor_parallel_size": ({"1"}, "each vLLM engine is one rank (tensor parallel size 1)"),
+    "weight_dir": "not needed any more: weight updates stream from learner 0 straight into the engines' workers; "
+                  "nothing is staged on disk or in /dev/shm",
     "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
     "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
     "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),
@@ -236,7 +242,7 @@ UNSUPPORTED_FLAGS = {
 
 
 # -------------------------------------------------------------------------------------------------
-# Utilization math (DESIGN.md sec 3): FLOPs and bytes of a dense decoder, counted from first principles
+# Utilization math: FLOPs and bytes of a dense decoder, counted from first principles
 # -------------------------------------------------------------------------------------------------
 @dataclass
 class ModelShape:
@@ -270,11 +276,13 @@ def forward_flops(s: ModelShape, num_tokens: int, attended_sum: int, num_sampled
             + 2 * s.hidden * s.vocab * num_sampled)
 
 
-def prefill_cost(s: ModelShape, prompt_len: int, bytes_per_el: int) -> tuple[int, int]:
+def prefill_cost(s: ModelShape, prompt_len: int, bytes_per_el: int, cached: int = 0) -> tuple[int, int]:
     """(FLOPs, bytes other than weights) of a prefill: causal, so query i attends to i keys, sum =
-    p(p+1)/2 (about half of p^2); one sampled position; the prompt's KV is written."""
-    p = prompt_len
-    return forward_flops(s, p, p * (p + 1) // 2, 1), p * s.kv_bytes_per_token(bytes_per_el)
+    p(p+1)/2 (about half of p^2); one sampled position; the prompt's KV is written. The first `cached`
+    tokens came from the prefix cache: only queries cached+1..p run (each still attends to every key
+    before it) and only their KV is written."""
+    p, c = prompt_len, cached
+    return forward_flops(s, p - c, (p * (p + 1) - c * (c + 1)) // 2, 1), (p - c) * s.kv_bytes_per_token(bytes_per_el)
 
 
 def decode_cost(s: ModelShape, context: int, bytes_per_el: int) -> tuple[int, int]:
@@ -294,8 +302,9 @@ def engine_step_cost(s: ModelShape, prefill_lens: list[int], decode_contexts: li
     tokens. A continuous batch shares one read of the weights per engine step across all running
     sequences: weights are counted once per step, never once per sequence."""
     flops = nbytes = 0
-    for p in prefill_lens:
-        f, b = prefill_cost(s, p, bytes_per_el)
+    for p in prefill_lens:  # a length, or (length, tokens found in the prefix cache)
+        length, cached = p if isinstance(p, tuple) else (p, 0)
+        f, b = prefill_cost(s, length, bytes_per_el, cached)
         flops, nbytes = flops + f, nbytes + b
     for c in decode_contexts:
         f, b = decode_cost(s, c, bytes_per_el)
@@ -312,43 +321,45 @@ def utilization(flops: float, nbytes: float, seconds: float, peak_flops: float, 
     return flops / seconds / peak_flops, nbytes / seconds / peak_bytes_per_s
 
 
-# name substring -> (peak dense bf16 FLOP/s, peak memory B/s), DESIGN.md sec 3
+# name substring -> (peak dense bf16 FLOP/s, peak memory B/s), from the datasheets
 GPU_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
 
 
-def measure_peaks(device: str = "cpu", reps: int = 5) -> tuple[float, float, str]:
-    """(peak FLOP/s, peak B/s, where they came from). GPUs from the table; CPUs (and unknown GPUs)
-    from a measured fp32 matmul and a measured memory copy on this machine, each the best of `reps`
-    timed repetitions (a busy machine only slows some of them)."""
-    if device.startswith("cuda"):
-        name = torch.cuda.get_device_name()
-        for key, (f, b) in GPU_PEAKS.items():
+def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
+    """(peak FLOP/s, peak memory B/s, their source) of one device as this process uses it.
+
+    Known GPUs: the datasheet. Otherwise measured with the threads this process runs on (so call it
+    after pinning): an fp32 1536^3 matmul and a 256 MiB copy (read + write), each the best of `reps`,
+    since a busy machine slows some repetitions and never speeds one up. A measured peak is still only a
+    lower bound of the true one; the stages raise it to any higher rate they achieve, so MFU <= 1.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (flops, bandwidth) in GPU_PEAKS.items():
             if key in name:
-                return f, b, f"datasheet peaks for {name}"
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    n = 1024
+                return flops, bandwidth, f"datasheet bf16 dense peaks of {name}"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best_seconds(fn) -> float:
+        fn()  # warm up
+        times = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    n = 1536
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        best = min(best, time.perf_counter() - t)
-    flops = 2 * n ** 3 / best
-    x = torch.empty(64 * 2 ** 20 // 4, device=device)  # 64 MiB fp32, larger than the caches
+    flops = 2 * n ** 3 / best_seconds(lambda: torch.mm(a, b))
+    x = torch.empty(64 * 2 ** 20, device=device)  # 256 MiB of fp32: larger than any cache
     y = torch.empty_like(x)
-    y.copy_(x)
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        y.copy_(x)
-        sync()
-        best = min(best, time.perf_counter() - t)
-    bw = 2 * x.numel() * 4 / best  # a copy reads and writes every byte
-    return flops, bw, f"measured on {device}: fp32 matmul {n}^3 and a 64 MiB copy (read+write), best of {reps}"
+    bandwidth = 2 * x.numel() * 4 / best_seconds(lambda: y.copy_(x))
+    return flops, bandwidth, (f"measured on {device.type} with {torch.get_num_threads()} threads: fp32 {n}^3 matmul "
+                              f"and a 256 MiB copy, best of {reps}")
 
 
 def resolve_peaks(peak_flops: float, peak_bw: float, device: str = "cpu") -> tuple[float, float, str]:
@@ -547,6 +558,15 @@ def split_bins(bins: list[list[dict]], num_learners: int) -> list[list[list[dict
     return shares
 
 
+def learner_forwards(bins: list[list[dict]], num_learners: int, token_budget: int) -> list[list[list[list[dict]]]]:
+    """Each learner's forward passes (each a list of bins): bins dealt by split_bins, grouped by
+    forward_batches, then every learner padded to the same number of passes (FSDP2's collectives run
+    once per pass on every learner) with passes of one empty bin."""
+    shares = [forward_batches([b for b in share if b], token_budget) for share in split_bins(bins, num_learners)]
+    most = max(1, *(len(s) for s in shares))
+    return [s + [[[]] for _ in range(most - len(s))] for s in shares]
+
+
 def collate_bin(rows: list[dict], pad_id: int = 0) -> dict:
     """One packed bin -> tensors over T positions, position t predicting token t + 1:
     input_ids, position_ids (restart per row: rows never attend to each other), and on
@@ -572,13 +592,53 @@ def collate_bin(rows: list[dict], pad_id: int = 0) -> dict:
             "sampling_logprobs": t(slp, dtype=torch.float32)}
 
 
+def bin_tokens(b: list[dict]) -> int:
+    return sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in b)
+
+
+def forward_batches(bins: list[list[dict]], token_budget: int) -> list[list[list[dict]]]:
+    """Group packed bins into forward passes of at most `token_budget` padded tokens (rows x the longest
+    row), longest first: a few large matmuls beat many small ones on every device. A bin longer than
+    the budget gets a pass of its own."""
+    batches, width = [], 0
+    for b in sorted(bins, key=bin_tokens, reverse=True):
+        if batches and max(width, bin_tokens(b)) * (len(batches[-1]) + 1) <= token_budget:
+            batches[-1].append(b)
+        else:
+            batches.append([b])
+            width = bin_tokens(b)
+    return batches
+
+
+def collate_forward(bins: list[list[dict]], pad_id: int = 0) -> dict:
+    """Several packed bins -> one (B, T) batch, padded on the right: pad positions restart at 0 (a segment
+    of their own, attended by nothing real) and train nothing."""
+    cols = [collate_bin(b, pad_id) for b in bins]
+    width = max(len(c["input_ids"]) for c in cols)
+    fill = {"input_ids": pad_id, "targets": pad_id, "mask": 0.0, "advantages": 0.0, "sampling_logprobs": 0.0}
+    out = {}
+    for key in ("input_ids", "position_ids", "targets", "mask", "advantages", "sampling_logprobs"):
+        rows = []
+        for c in cols:
+            pad = width - len(c[key])
+            extra = torch.arange(pad) if key == "position_ids" else torch.full((pad,), fill[key], dtype=c[key].dtype)
+            rows.append(torch.cat([c[key], extra.to(c[key].dtype)]))
+        out[key] = torch.stack(rows)
+    out["real_tokens"] = sum(bin_tokens(b) for b in bins)
+    return out
+
+
 def token_logprobs(model, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-    """Logprobs of the targets (T,) of one packed bin, and their entropy (T,) or None. Rows attend only to
-    themselves through their restarting position ids (see `target_logprobs`): no (T, T) mask is built."""
+    """Logprobs of the targets (T,) of one packed bin, or (B, T) of a `collate_forward` batch, and their
+    entropy or None. Rows attend only to themselves through their restarting position ids (see
+    `target_logprobs`): no (T, T) mask is built here."""
     dev = next(model.parameters()).device
-    logprobs, entropy = target_logprobs(model, batch["input_ids"][None].to(dev), batch["position_ids"][None].to(dev),
-                                        batch["targets"][None].to(dev), temperature, with_entropy)
-    return logprobs[0], (entropy[0] if with_entropy else None)
+    one = batch["input_ids"].dim() == 1
+    ids, pos, tgt = (batch[k][None] if one else batch[k] for k in ("input_ids", "position_ids", "targets"))
+    logprobs, entropy = target_logprobs(model, ids.to(dev), pos.to(dev), tgt.to(dev), temperature, with_entropy)
+    if one:
+        return logprobs[0], (entropy[0] if with_entropy else None)
+    return logprobs, entropy
 
 
 # -------------------------------------------------------------------------------------------------
@@ -750,9 +810,17 @@ def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
 # -------------------------------------------------------------------------------------------------
 # Plumbing: messages between roles (gloo point-to-point with timeouts), weight transport
 # -------------------------------------------------------------------------------------------------
-def _wait(work, timeout_s: float, what: str):
+def _wait(work, timeout_s: float, what: str, abort=None):
+    """Wait for a gloo / NCCL op. `abort`, polled meanwhile, returns why to give up (an actor reported an
+    error) or None: a stream to an engine that died must not hold learner 0 for the whole timeout."""
+    deadline = time.monotonic() + timeout_s
+    while abort is not None and not work.is_completed() and time.monotonic() < deadline:
+        why = abort()
+        if why:
+            raise RuntimeError(f"{what} abandoned: {why}")
+        time.sleep(0.002)
     try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     except Exception as e:  # gloo raises on timeout and when the peer's connection closes
         raise RuntimeError(f"{what} failed (peer dead or no answer within {timeout_s:.0f}s): {e}") from e
 
@@ -782,50 +850,163 @@ def broadcast_obj(obj, src: int, group, timeout_s: float):
     return pickle.loads(data.numpy().tobytes())
 
 
-def broadcast_weights(state: dict | None, header: dict | None, src: int, group, timeout_s: float,
-                      bucket_bytes: int = 256 * 2 ** 20) -> tuple[dict, dict]:
-    """Learner 0 (state, header given) -> every actor: a header object (version, probe, names,
-    shapes, dtypes), then the tensors flattened into buckets of one dtype. Returns (header, state)."""
-    if header is not None:  # the source; without a state only the header goes (the initial probe)
-        header = dict(header, names=[(k, tuple(v.shape), v.dtype) for k, v in state.items()] if state is not None else None)
-    header = broadcast_obj(header, src, group, timeout_s)
-    if header.get("stop") or not header.get("names"):
-        return header, {}
-    names, out = header["names"], {}
-    i = 0
-    while i < len(names):  # a bucket: consecutive tensors of one dtype up to bucket_bytes
-        dtype, j, nbytes = names[i][2], i, 0
-        while j < len(names) and names[j][2] == dtype and (j == i or nbytes + math.prod(names[j][1]) * dtype.itemsize <= bucket_bytes):
-            nbytes += math.prod(names[j][1]) * dtype.itemsize
+WEIGHT_BUCKET_BYTES = 256 * 2 ** 20
+
+
+def plan_buckets(names: list, itemsize: int, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> list[tuple[int, int, int]]:
+    """Consecutive tensors of `names` ((name, shape, dtype), in the order sent) grouped up to bucket_bytes
+    (a larger tensor goes alone): [(first, end, numel)]. Sender and receivers plan from the same list."""
+    out, i = [], 0
+    while i < len(names):
+        j, numel = i, 0
+        while j < len(names) and (j == i or (numel + math.prod(names[j][1])) * itemsize <= bucket_bytes):
+            numel += math.prod(names[j][1])
             j += 1
-        if state is not None:
-            flat = torch.cat([state[names[k][0]].reshape(-1).to("cpu") for k in range(i, j)])
-        else:
-            flat = torch.empty(nbytes // dtype.itemsize, dtype=dtype)
-        _wait(dist.broadcast(flat, src, group=group, async_op=True), timeout_s, "weight broadcast")
-        off = 0
-        for k in range(i, j):
-            n = math.prod(names[k][1])
-            out[names[k][0]] = flat[off:off + n].view(names[k][1])
-            off += n
+        out.append((i, j, numel))
         i = j
-    return header, out
+    return out
 
 
-def _load_weights_in_worker(worker, path: str, expected: dict):
-    """Runs inside the vLLM worker process (collective_rpc): validate, then reload in place. A failed
-    reload leaves vLLM's model half loaded (DESIGN.md sec 5), so validate everything first."""
+def weight_group(store, rank: int, size: int, backend: str, timeout_s: float):
+    """The weight stream's process group: learner 0 (rank 0) and every worker of every engine, built on its
+    own TCPStore and outside torch.distributed's default group (vLLM's workers have one of their own).
+    gloo on CPU, NCCL on GPU: the same broadcasts either way."""
+    store = dist.PrefixStore("grpo_weights", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def _broadcast(group, tensor, timeout_s: float, what: str, abort=None):
+    _wait(group.broadcast([tensor], dist.BroadcastOptions()), timeout_s, what, abort)
+
+
+def full_tensors(model, dtype):
+    """(name, full tensor) of each state-dict entry, one at a time. With FSDP2 each is gathered (already in
+    the wire dtype) just before it is sent and freed after: never the whole state on one rank. A collective:
+    every learner iterates, in the same order."""
+    for name, v in model.state_dict().items():
+        yield name, v.detach().to(dtype).full_tensor() if hasattr(v, "full_tensor") else v.detach()
+
+
+class WeightSender:
+    """Learner 0's end of the weight stream: rank 0 of a process group whose other ranks are the vLLM
+    workers of every engine (rank 1 + engine x tensor_parallel_size + the worker's rank in its engine).
+    `info` tells the workers where to join (_join_weights_in_worker); `connect` waits for all of them."""
+
+    def __init__(self, num_workers: int, backend: str, device, dtype, timeout_s: float, host: str = "127.0.0.1"):
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.info = {"host": host, "port": self.store.port, "world_size": 1 + num_workers, "backend": backend,
+                     "timeout_s": timeout_s}
+        self.device, self.dtype, self.group = device, dtype, None
+
+    def connect(self, join=None):
+        """Build the group; `join()`, run in a thread meanwhile, makes the workers join (None: they do it
+        on their own, told by a message)."""
+        th, errors = None, []
+        if join is not None:
+            th = threading.Thread(target=self._guard(join, errors), daemon=True)
+            th.start()
+        self.group = weight_group(self.store, 0, self.info["world_size"], self.info["backend"], self.info["timeout_s"])
+        if th is not None:
+            th.join()
+        if errors:
+            raise RuntimeError(f"the engines could not join the weight stream: {errors[0]}") from errors[0]
+
+    @staticmethod
+    def _guard(fn, errors):
+        def run():
+            try:
+                fn()
+            except Exception as e:
+                errors.append(e)
+        return run
+
+    def send(self, version: int, names: list, tensors, abort=None) -> dict:
+        """Stream one update: the version first (it goes once every engine is ready to load: at its next
+        step boundary, or drained), then bucket after bucket of `tensors` ((name, full tensor) in `names`
+        order), each gathered, cast to the wire dtype and packed just before it goes. A worker loads a
+        bucket while the next is packed. Returns seconds spent waiting, gathering and transferring."""
+        timeout = self.info["timeout_s"]
+        t = time.perf_counter()
+        _broadcast(self.group, torch.tensor([version], device=self.device), timeout, "weight stream (engines ready)",
+                   abort)
+        times = {"wait": time.perf_counter() - t, "gather": 0.0, "transfer": 0.0}
+        tensors = iter(tensors)
+        for i, j, numel in plan_buckets(names, self.dtype.itemsize):
+            t = time.perf_counter()
+            flat, off = torch.empty(numel, dtype=self.dtype, device=self.device), 0
+            for name, shape, _ in names[i:j]:
+                got, tensor = next(tensors)
+                if got != name or tuple(tensor.shape) != tuple(shape):
+                    raise ValueError(f"weight stream: {got} {tuple(tensor.shape)} where the header says {name} {shape}")
+                flat[off:off + tensor.numel()].copy_(tensor.reshape(-1))  # casts to the wire dtype
+                off += tensor.numel()
+                del tensor
+            t2 = time.perf_counter()
+            times["gather"] += t2 - t
+            _broadcast(self.group, flat, timeout, f"weight stream (version {version}, bucket at {names[i][0]})", abort)
+            times["transfer"] += time.perf_counter() - t2
+        return times
+
+
+def _join_weights_in_worker(worker, info: dict, first_rank: int):
+    """Runs inside each vLLM worker (collective_rpc): join learner 0's weight stream as rank first_rank +
+    this worker's rank in its engine (its tensor-parallel rank)."""
+    import datetime as _datetime
+
+    import torch.distributed as _dist
+
+    store = _dist.TCPStore(info["host"], info["port"], is_master=False,
+                           timeout=_datetime.timedelta(seconds=info["timeout_s"]))
+    rank = first_rank + worker.rank
+    group = weight_group(store, rank, info["world_size"], info["backend"], info["timeout_s"])
+    worker.grpo_weight_stream = (group, info)
+    return rank
+
+
+def _receive_weights_in_worker(worker, version: int, names: list):
+    """Runs inside each vLLM worker (collective_rpc): receive one update bucket by bucket and load it with
+    vLLM's in-place reload as it arrives (one reload whose iterator reads the wire: each layer is processed
+    once its last tensor is in). Checked before anything loads: the version on the wire; each bucket is
+    checked before its tensors load. A reload that fails midway leaves the model half loaded (its
+    layers on the meta device): the caller treats any error as fatal. Returns the seconds spent loading,
+    not waiting for the wire."""
+    import math as _math
+    import time as _time
+
     import torch as _torch
 
-    sd = _torch.load(path, mmap=True, weights_only=True)
-    for name, (shape, dtype) in expected.items():
-        t = sd.get(name)
-        if not isinstance(t, _torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-            raise ValueError(f"weight {name}: got {type(t).__name__} {getattr(t, 'shape', None)}, want {shape} {dtype}")
-        if not _torch.isfinite(t).all():
-            raise ValueError(f"weight {name} has non-finite values")
-    worker.model_runner.reload_weights(weights_iterator=iter(sd.items()))
-    return len(sd)
+    group, info = worker.grpo_weight_stream
+    device = _torch.device("cuda", _torch.cuda.current_device()) if info["backend"] == "nccl" else _torch.device("cpu")
+    timeout, dtype, waited = info["timeout_s"], names[0][2], [0.0]
+    got = _torch.zeros(1, dtype=_torch.int64, device=device)
+    _broadcast(group, got, timeout, "weight stream (version)")
+    if int(got.item()) != version:
+        raise ValueError(f"weight stream: learner 0 sends version {int(got.item())}, this engine expects {version}")
+
+    def stream():
+        for i, j, numel in plan_buckets(names, dtype.itemsize):
+            flat = _torch.empty(numel, dtype=dtype, device=device)
+            t = _time.perf_counter()
+            _broadcast(group, flat, timeout, f"weight stream (version {version}, bucket at {names[i][0]})")
+            waited[0] += _time.perf_counter() - t
+            if not _torch.isfinite(flat).all():
+                raise ValueError(f"weight stream: non-finite values in version {version} "
+                                 f"({names[i][0]} .. {names[j - 1][0]})")
+            off = 0
+            for name, shape, _ in names[i:j]:
+                n = _math.prod(shape)
+                yield name, flat[off:off + n].view(shape)
+                off += n
+
+    t = _time.perf_counter()
+    worker.model_runner.reload_weights(weights_iterator=stream())
+    return _time.perf_counter() - t - waited[0]
 
 
 def _watch_owner_in_worker(worker, owner_pid: int):
@@ -852,52 +1033,6 @@ def _watch_owner_in_worker(worker, owner_pid: int):
                 _os._exit(1)
 
     _threading.Thread(target=watch, daemon=True).start()
-
-
-def shm_dir(weight_dir: str = "") -> str:
-    """Where weight updates are staged for the engine: --weight_dir, else /dev/shm (memory), else $TMPDIR."""
-    if weight_dir:
-        return weight_dir
-    return "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(os.environ.get("TMPDIR", "/tmp"))
-
-
-def check_weight_dir(path: str, model_path: str) -> None:
-    """Fail at startup, not at the first weight update minutes later, when the staging directory cannot
-    take one update: not writable, or less free space than the model's weights in bf16 (the learner
-    sends fp32 on CPU, twice that; a write that then runs out of space still fails with stage_weights'
-    message). The size comes from a local model's safetensors headers (a hub name is not checked)."""
-    probe = os.path.join(path, f".grpo_probe_{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.remove(probe)
-    except OSError as e:
-        raise RuntimeError(f"weight directory {path} is not writable ({e}); set --weight_dir") from None
-    numel = 0
-    for name in sorted(os.listdir(model_path)) if os.path.isdir(model_path) else []:
-        if name.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(model_path, name), "pt") as f:
-                numel += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    free = shutil.disk_usage(path).free
-    if free < 2 * numel:
-        raise RuntimeError(f"weight directory {path} has {free / 2 ** 20:.1f} MiB free, but one weight update of "
-                           f"{model_path} ({numel:,} parameters) needs {2 * numel / 2 ** 20:.1f} MiB in bf16 and "
-                           f"{4 * numel / 2 ** 20:.1f} MiB in fp32: point --weight_dir at a larger tmpfs or disk")
-
-
-def stage_weights(state: dict, path: str) -> None:
-    """Write one weight update for the engine to load. A failed write (a full disk) removes its partial
-    file and says where, instead of surfacing later as an engine that cannot load it."""
-    try:
-        torch.save(state, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(path)
-        free = shutil.disk_usage(os.path.dirname(path)).free / 2 ** 20
-        raise RuntimeError(f"cannot stage a weight update in {os.path.dirname(path)} ({free:.1f} MiB free): {e}; "
-                           "point --weight_dir at a larger tmpfs or disk") from e
 
 
 def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
@@ -930,16 +1065,63 @@ def pin_cpu_cores(local_rank: int, is_actor: bool) -> list[int] | None:
     return mine
 
 
-def pin_process_tree(cores: list[int]):
-    """Pin every thread of this process and of its descendants (vLLM's engine core and worker)."""
+def pin_threads(processes: list, cores: list[int]):
+    """Pin every thread of these psutil processes to `cores`."""
     import psutil  # a vLLM dependency
 
-    me = psutil.Process()
-    for proc in [me, *me.children(recursive=True)]:
+    for proc in processes:
         with contextlib.suppress(psutil.Error, OSError):  # a thread or process may end meanwhile
             for th in proc.threads():
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(th.id, cores)
+
+
+def pin_process_tree(cores: list[int]):
+    """Pin every thread of this process and of its descendants (vLLM's engine core and worker)."""
+    import psutil
+
+    me = psutil.Process()
+    pin_threads([me, *me.children(recursive=True)], cores)
+
+
+def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Actor":
+    """`python grpo.py`: the actor in a thread of the learner's process, its vLLM engine in processes of
+    its own. On CPU (--cpu_affinity) the learner and the engine each get half of the cores, as torchrun
+    ranks do: unpinned, the engine's busy-polling processes took CPU from the learner (its step ran
+    1.6x slower than in the two-process run). Threads are set before vLLM starts: it then makes
+    torch.set_num_threads a no-op in this process."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    mine, engine = split_cores(cores, 0, 2), split_cores(cores, 1, 2)
+    pin = device == "cpu" and args.cpu_affinity and mine and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if pin:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine))
+        torch.set_num_threads(len(mine))
+    actor = Actor(args, model_path, 0, emit, device, 1)
+    if pin:
+        import psutil
+
+        me = psutil.Process()
+        pin_threads([me], mine)  # the learner and the actor thread
+        pin_threads(me.children(recursive=True), engine)  # vLLM's engine core and worker
+        print(f"[grpo] colocated: learner on CPU cores {mine}, vLLM engine on {engine}", flush=True)
+    return actor
+
+
+def engine_gpus(rank: int, local_rank: int, local_world: int, num_learners: int, tp: int,
+                device_count: int) -> tuple[int, str]:
+    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. torchrun numbers
+    ranks node by node, so a node's learner ranks come first and take its first GPUs, one each; its actor
+    ranks follow and each takes the next `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
+    local_learners = min(max(num_learners - (rank - local_rank), 0), local_world)
+    first = local_learners + (local_rank - local_learners) * tp
+    need = local_learners + (local_world - local_learners) * tp
+    if need > device_count:
+        raise SystemExit(f"this node has {device_count} GPUs, but its {local_learners} learner rank(s) and "
+                         f"{local_world - local_learners} engine(s) of --vllm_tensor_parallel_size {tp} need {need}: "
+                         "run torchrun --nproc-per-node = learners + engines on the node")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",") if visible else [str(i) for i in range(device_count)]
+    return first, ",".join(physical[first:first + tp])
 
 
 TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -950,15 +1132,16 @@ TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 # Plumbing: the actor. One vLLM engine, kept full; finished groups go out as soon as they finish.
 # -------------------------------------------------------------------------------------------------
 class Actor:
-    """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (new weights:
-    dicts with version, path, probe). Output: `emit(message)` for finished groups and errors.
+    """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (weight update headers:
+    version, probe, and the names, shapes and dtype of the tensors learner 0 then streams into the engine's
+    workers). Output: `emit(message)` for finished groups and errors.
     `run()` is the engine loop; in the colocated mode it runs in a thread."""
 
     def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1):
         from vllm import LLM
 
         self.args, self.actor_id, self.emit = args, actor_id, emit
-        self.inbox, self.updates = queue.Queue(), queue.Queue()
+        self.inbox, self.updates, self.probes = queue.Queue(), queue.Queue(), queue.Queue()
         self.stop = threading.Event()
         self.dtype = torch.float32 if device == "cpu" else torch.bfloat16
         saved = {k: os.environ.pop(k) for k in TORCHRUN_VARS if k in os.environ}
@@ -966,15 +1149,16 @@ class Actor:
             kwargs = {} if device == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
             self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id, enforce_eager=args.enforce_eager,
                            max_model_len=args.max_prompt_length + args.max_response_length, max_num_seqs=args.max_num_seqs,
-                           enable_prefix_caching=True, logprobs_mode="processed_logprobs", **kwargs)
+                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                           tensor_parallel_size=args.vllm_tensor_parallel_size, **kwargs)
         finally:
             os.environ.update(saved)
         self.engine = self.llm.llm_engine
         self.llm.collective_rpc(_watch_owner_in_worker, args=(os.getpid(),))
         self.version = None  # the learner version the engine's weights come from
         self.shape = ModelShape.from_config(self.engine.model_config.hf_config)
-        self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(args.peak_flops, args.peak_memory_bandwidth,
-                                                                        device if device == "cpu" else "cuda")
+        self.peak_device = device if device == "cpu" else "cuda"
+        self.peak_flops = self.peak_bw = self.peak_source = None  # measured in run(), on the cores it runs on
         self.rng = random.Random(args.seed + 1000 * actor_id)
         self.pending = {}  # request id -> {"group": group id, "tokens", "logprobs", "prompt_len"}
         self.groups = {}  # group id -> {"meta", "samples", "left"}
@@ -1007,7 +1191,11 @@ class Actor:
         for j in range(prompt["n"]):
             rid = f"{gid}-{j}"
             self.pending[rid] = {"group": gid, "j": j, "tokens": [], "logprobs": [], "prompt_len": len(prompt["prompt_ids"])}
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"]), self._sampling_params(prompt["kind"]))
+            # Salted by policy version: a request reuses only prompt KV computed by the weights it starts on,
+            # never an old policy's (the shared template header would otherwise stay cached all run).
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"],
+                                                      cache_salt=f"policy-{self.version}"),
+                                    self._sampling_params(prompt["kind"]))
 
     def _start_probe(self, probe_ids: list[int], learner_logprobs: list[float], version: int):
         from vllm import SamplingParams, TokensPrompt
@@ -1046,8 +1234,8 @@ class Actor:
             c = out.outputs[0]
             g0, k = len(st["tokens"]), len(c.token_ids)
             steps = max(steps, k)
-            if g0 == 0 and k:
-                prefill.append(st["prompt_len"])
+            if g0 == 0 and k:  # prompt tokens found in the prefix cache cost no prefill compute
+                prefill.append((st["prompt_len"], out.num_cached_tokens or 0))
             decode_ctx += [st["prompt_len"] + j for j in range(max(g0, 1), g0 + k)]
             st["tokens"] += c.token_ids
             st["logprobs"] += [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
@@ -1057,7 +1245,7 @@ class Actor:
         self.stats["flops"] += flops
         self.stats["bytes"] += nbytes
         self.stats["gen_tokens"] += len(decode_ctx) + len(prefill)
-        self.stats["prefill_tokens"] += sum(prefill)
+        self.stats["prefill_tokens"] += sum(p - cached for p, cached in prefill)
 
     def _finish_sample(self, rid, st, c):
         del self.pending[rid]
@@ -1079,58 +1267,58 @@ class Actor:
 
     def _take_stats(self) -> dict:
         now = time.perf_counter()
+        # MFU, MBU <= 1: a stretch that beats a measured peak proves the engine's peak is at least its rate
+        elapsed = max(now - self.stats_t, 1e-9)
+        self.peak_flops = max(self.peak_flops, self.stats["flops"] / elapsed)
+        self.peak_bw = max(self.peak_bw, self.stats["bytes"] / elapsed)
         s = dict(self.stats, actor=self.actor_id, elapsed=now - self.stats_t, peak_flops=self.peak_flops, peak_bw=self.peak_bw,
                  peak_source=self.peak_source, max_num_seqs=self.args.max_num_seqs)
         self.stats, self.stats_t = Counter(), now
         return s
 
     # -- weights --------------------------------------------------------------------------------
+    def connect_weights(self, info: dict, first_rank: int):
+        """Every worker of this engine joins learner 0's weight stream (WeightSender.info) as rank
+        first_rank + its tensor-parallel rank; returns once all have."""
+        self.llm.collective_rpc(_join_weights_in_worker, args=(info, first_rank))
+
     def _apply_update(self, upd: dict):
-        """Load new weights between two engine steps. Inflight: running requests and their KV cache
-        stay; the scheduler pause only makes vLLM's per-token version labels exact."""
+        """Load new weights between two engine steps: the workers receive the stream learner 0 sends now
+        and load it as it arrives. Inflight: running requests and their KV cache stay; the scheduler
+        pause only makes vLLM's per-token version labels exact."""
         t = time.perf_counter()
         core = self.engine.engine_core
-        if upd.get("path"):
+        if upd.get("names"):
             core.call_utility("pause_scheduler", "keep", False)  # mode keep: no abort, no cache clear
             try:
-                self.llm.collective_rpc(_load_weights_in_worker, args=(upd["path"], upd["expected"]))
+                loads = self.llm.collective_rpc(_receive_weights_in_worker, args=(upd["version"], upd["names"]))
             except Exception as e:
-                raise RuntimeError(f"actor {self.actor_id}: weight reload for version {upd['version']} failed; the "
+                raise RuntimeError(f"actor {self.actor_id}: weight update to version {upd['version']} failed; the "
                                    f"engine is unusable now: {e}") from e
-            finally:
-                with contextlib.suppress(OSError):
-                    os.remove(upd["path"])
             self.engine.set_weight_version(str(upd["version"]))
             core.call_utility("resume_scheduler")
+            self.stats["weight_apply_s"] += max(loads)  # the slowest tensor-parallel worker
+            self.stats["weight_loads"] += 1
         else:
             self.engine.set_weight_version(str(upd["version"]))
         self.version = upd["version"]
         self.stats["weight_load_s"] += time.perf_counter() - t
         self.stats["updates"] += 1
+        if "probe_ids" not in upd:  # learner 0 computes it while the engine gets ready, sends it after the stream
+            try:
+                upd = dict(upd, **self.probes.get(timeout=self.args.timeout_s))
+            except queue.Empty:
+                raise RuntimeError(f"actor {self.actor_id}: no probe for version {upd['version']} from learner 0 "
+                                   f"within {self.args.timeout_s:.0f}s") from None
         if upd.get("probe_ids"):
             self._start_probe(upd["probe_ids"], upd["probe_logprobs"], upd["version"])
-
-    def _newest_update(self, upd: dict) -> dict:
-        """The newest full update queued behind `upd`. Each full update supersedes the ones before it:
-        loading them in turn after drains (drained updates, static batches) cost one drain per version,
-        and the actor fell further behind the learner at each, generating with weights several
-        versions old that the off-policy bound then dropped (measured: 71 stale groups in 30 steps)."""
-        while upd.get("path"):
-            with self.updates.mutex:  # peek: only a full update supersedes (the first, probe-only one does not)
-                newer = self.updates.queue[0] if self.updates.queue and self.updates.queue[0].get("path") else None
-                if newer is not None:
-                    self.updates.queue.popleft()
-            if newer is None:
-                break
-            with contextlib.suppress(OSError):
-                os.remove(upd["path"])
-            self.stats["updates_skipped"] += 1
-            upd = newer
-        return upd
 
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
         args, engine = self.args, self.engine
+        # After run_actor_rank pinned this rank: the peaks of the cores the engine really uses
+        self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(args.peak_flops, args.peak_memory_bandwidth,
+                                                                        self.peak_device)
         static = args.batching == "static"
         next_update, drain_t0 = None, None
         while not self.stop.is_set():
@@ -1159,7 +1347,7 @@ class Actor:
                     self.stats["drain_s"] += time.perf_counter() - drain_t0
                     drain_t0 = None
                 self.busy_since = time.monotonic()
-                self._apply_update(self._newest_update(next_update))
+                self._apply_update(next_update)
                 self.busy_since = None
                 next_update = None
             elif next_update is not None and drain_t0 is None:
@@ -1208,15 +1396,22 @@ class Actor:
             self.engine.engine_core.shutdown()
 
 
-def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: str, model_path: str, cores: list[int] | None = None):
-    """An actor rank: threads move prompts in, groups out, and weights in over gloo; the main thread
-    runs the engine loop. Any failure is sent to learner 0 and the process exits non-zero."""
-    print(f"[actor rank {rank}] pid {os.getpid()}: starting vLLM", flush=True)
+def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: str, model_path: str,
+                   cores: list[int] | None = None, gpus: str | None = None):
+    """An actor rank: threads move prompts in, groups out, and weight update headers in over gloo (the
+    weights themselves stream from learner 0 straight into the engine's workers); the main thread runs the
+    engine loop. Any failure is sent to learner 0 and the process exits non-zero."""
+    print(f"[actor rank {rank}] pid {os.getpid()}: starting vLLM" + (f" on GPUs {gpus}" if gpus else ""), flush=True)
+    if gpus:  # the engine's workers (vLLM's processes, one per GPU) see only this engine's GPUs
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     outbox = queue.Queue()
     num_learners = min(args.num_learners, dist.get_world_size() - 1)
     actor = Actor(args, model_path, rank - num_learners, outbox.put, device, dist.get_world_size() - num_learners)
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
+    # Learner 0 says where to join its weight stream once it is up; the workers join before any update.
+    info = broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)
+    actor.connect_weights(info, 1 + actor.actor_id * args.vllm_tensor_parallel_size)
     errors = []
 
     def guarded(fn):
@@ -1243,19 +1438,12 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                 return
             send_obj(msg, learner0, groups["data"], args.timeout_s)
 
-    def weights_in():
-        wait = args.startup_timeout_s  # the first message: learner 0 waits for every engine to start
+    def weights_in():  # headers and probes: the engine loop receives the tensors themselves (Actor._apply_update)
         while not actor.stop.is_set():
-            header, state = broadcast_weights(None, None, learner0, groups["weights"], wait)
-            wait = args.timeout_s
-            if header.get("stop"):
+            msg = broadcast_obj(None, learner0, groups["weights"], args.timeout_s)
+            if msg.get("stop"):
                 return
-            if not header.get("names"):  # the initial probe of the weights the engine loaded from disk
-                actor.updates.put(header)
-                continue
-            path = os.path.join(shm_dir(args.weight_dir), f"grpo_{os.getpid()}_v{header['version']}.pt")
-            stage_weights(state, path)
-            actor.updates.put(dict(header, path=path, expected={k: (s, d) for k, s, d in header["names"]}))
+            (actor.probes if "probe_ids" in msg else actor.updates).put(msg)
 
     def stalled_engine(busy: float) -> str:
         """Say which engine stopped answering, and kill its processes (a stopped one ignores anything
@@ -1319,7 +1507,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
 # -------------------------------------------------------------------------------------------------
 class Link:
     """Learner 0's view of the actors: `send_prompts(actor, list)`, a `results` queue of messages
-    (groups, errors), `send_weights(header, state)`. Colocated: queues. torchrun: gloo groups."""
+    (groups, errors), `send_weights(header, tensors)`. Colocated: queues. torchrun: gloo groups. The
+    weights themselves go through the weight stream (`connect_weights`), into the engines' workers."""
 
     def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None):
         self.args, self.actor_ranks, self.groups, self.local = args, actor_ranks, groups, local_actor
@@ -1327,6 +1516,8 @@ class Link:
         self.heard = {r: time.time() for r in actor_ranks}  # when each actor rank last sent anything
         self.closing = threading.Event()
         self.lock = threading.Lock()
+        self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
+        self.sender = None
         if local_actor is None:
             for r in actor_ranks:
                 threading.Thread(target=self._receive, args=(r,), daemon=True).start()
@@ -1338,11 +1529,13 @@ class Link:
                 msg = recv_obj(rank, self.groups["data"], wait)
                 self.heard[rank] = time.time()
                 wait = self.args.timeout_s
+                self.error = self.error or msg.get("error")
                 self.results.put(msg)
                 if "done" in msg or "error" in msg:
                     return
         except Exception as e:
             if not self.closing.is_set():
+                self.error = self.error or f"link to actor rank {rank}: {e}"
                 self.results.put({"error": f"link to actor rank {rank}: {e}"})
 
     def silent_actors(self) -> str:
@@ -1360,17 +1553,25 @@ class Link:
             with self.lock:  # the dispatcher thread and evaluation both send; a message is two sends
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
 
-    def send_weights(self, header: dict, state: dict | None, timeout_s: float):
-        """state None: only the probe (the initial check). Colocated: a file in /dev/shm."""
+    def connect_weights(self, sender: WeightSender):
+        """Every engine's workers join the weight stream; returns once all have."""
+        self.sender = sender
         if self.local is not None:
-            upd = dict(header)
-            if state is not None:
-                upd["path"] = os.path.join(shm_dir(self.args.weight_dir), f"grpo_{os.getpid()}_v{header['version']}.pt")
-                stage_weights(state, upd["path"])
-                upd["expected"] = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
-            self.local.updates.put(upd)
+            sender.connect(join=lambda: self.local.connect_weights(sender.info, 1))
+        else:  # each actor rank has its workers join once its engine is up (run_actor_rank)
+            broadcast_obj(sender.info, 0, self.groups["weights"], self.args.startup_timeout_s)
+            sender.connect()
+
+    def announce(self, msg: dict, timeout_s: float):
+        """A weight update's header (version, and the names of the tensors the stream then carries), or
+        its probe (the learner's logprobs of the probe sequence, sent once the stream is through)."""
+        if self.local is not None:
+            (self.local.probes if "probe_ids" in msg else self.local.updates).put(msg)
         else:
-            broadcast_weights(state, header, 0, self.groups["weights"], timeout_s)
+            broadcast_obj(msg, 0, self.groups["weights"], timeout_s)
+
+    def stream(self, version: int, names: list, tensors) -> dict:
+        return self.sender.send(version, names, tensors, abort=lambda: self.error)
 
     def close(self):
         self.closing.set()
@@ -1494,13 +1695,18 @@ def main():
     timeout = datetime.timedelta(seconds=args.timeout_s)
     num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
     is_learner, is_main = rank < num_learners, rank == 0
+    gpus = None
+    if use_cuda and world_size > 1 and not is_learner:  # this actor rank's engine: its own tensor-parallel GPUs
+        first, gpus = engine_gpus(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_learners,
+                                  args.vllm_tensor_parallel_size, torch.cuda.device_count())
+        device = f"cuda:{first}"
     cores = None
     if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
         cores = pin_cpu_cores(local_rank, is_actor=not is_learner)
         print(f"[rank {rank}] pinned to CPU cores {cores}" if cores else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
     if world_size > 1:
         if use_cuda:
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     actor_ranks = list(range(num_learners, world_size))
     torch.manual_seed(args.seed + rank)
@@ -1517,13 +1723,6 @@ def main():
     if args.resume and latest is None and rank == 0:
         print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch", flush=True)
     model_path = latest or args.model_name_or_path
-    if not is_learner or world_size == 1:  # the ranks that stage weight updates: fail now, not minutes later
-        try:
-            check_weight_dir(shm_dir(args.weight_dir), model_path)
-        except RuntimeError as e:
-            print(f"[rank {rank}] FATAL: {e}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1535,7 +1734,7 @@ def main():
 
     if not is_learner:
         try:
-            run_actor_rank(args, rank, 0, groups, device, model_path, cores)
+            run_actor_rank(args, rank, 0, groups, device, model_path, cores, gpus)
         except KeyboardInterrupt:
             os._exit(130)
         except Exception:
@@ -1595,7 +1794,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     # Varlen flash attention separates packed rows by position ids with no mask at all; sdpa needs a
     # (T, T) boolean one, which transformers builds from the same position ids.
     flash = device.startswith("cuda") and importlib.util.find_spec("flash_attn") is not None
-    plan = memory_plan(AutoConfig.from_pretrained(model_path), pack_length, 1, num_learners, bf16,
+    forward_tokens = args.forward_tokens or max(pack_length, 16384)
+    plan = memory_plan(AutoConfig.from_pretrained(model_path), forward_tokens, 1, num_learners, bf16,
                        args.gradient_checkpointing, args.logprob_chunk_size, flash_attention=flash)
     if args.beta > 0:  # the frozen reference: fp32, unsharded, on every learner
         plan["reference"] = plan["weights"] * num_learners
@@ -1665,14 +1865,14 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     # ---------------------------------------------------------------------------------------------
     local_actor = link = dispatcher = pool = logger = None
     if is_main:
-        from verifiers import ANSWER_ERRORS, VerifierPool, sandbox_description
+        from verifiers import VerifierPool, caused_by_response, sandbox_description
 
         pool = VerifierPool(num_workers=args.verifier_workers, timeout=args.verifier_timeout,
                             allow_unsandboxed_code=args.allow_unsandboxed_code)
         print(f"[grpo] {sandbox_description()}", flush=True)
         if world_size == 1:
             results = queue.Queue()
-            local_actor = Actor(args, model_path, 0, results.put, device, 1)
+            local_actor = start_colocated_actor(args, model_path, results.put, device)
             link = Link(args, [], None, local_actor)
             link.results = results
 
@@ -1680,19 +1880,37 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 try:
                     local_actor.run()
                 except Exception as e:
+                    link.error = link.error or f"the actor thread: {e}"
                     results.put({"error": "".join(traceback.format_exception(e))})
-            threading.Thread(target=actor_thread, daemon=True).start()
         else:
             link = Link(args, actor_ranks, groups, None)
+        # The weight stream: learner 0 and every vLLM worker, gloo on CPU, NCCL between GPUs (gloo when the
+        # learner shares its GPU with the engine: NCCL takes one rank per GPU). Training dtype on the wire.
+        backend = "nccl" if device.startswith("cuda") and world_size > 1 else "gloo"
+        link.connect_weights(WeightSender(
+            max(1, len(actor_ranks)) * args.vllm_tensor_parallel_size, backend, device if backend == "nccl" else "cpu",
+            torch.bfloat16 if bf16 else torch.float32, max(args.timeout_s, args.startup_timeout_s),
+            os.environ.get("MASTER_ADDR", "127.0.0.1")))
+        if local_actor is not None:
+            threading.Thread(target=actor_thread, daemon=True).start()
         num_actors = max(1, len(actor_ranks))
         logger = MetricsLogger(args, append=latest is not None)
     version = start_step
 
-    def sync_weights(v: int, full: bool):
-        """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the weights (or, for
-        the initial check, only the probe) with the learner's logprobs of the probe sequence."""
+    def sync_weights(v: int, full: bool) -> dict:
+        """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the header (the version and,
+        for a full update, the tensors' names and shapes) first, so that the engines get ready while the
+        learner computes its logprobs of the probe sequence; then it streams the weights into every engine's
+        workers, parameter by parameter, in the training dtype; then the probe. Returns seconds: sync (all
+        of it), and wait, gather, transfer (learner 0, full updates)."""
         t = time.perf_counter()
-        state = gather_full_state(model, num_learners) if full else None
+        wire = torch.bfloat16 if bf16 else torch.float32
+        timeout = args.timeout_s if full else args.startup_timeout_s
+        if is_main:
+            header = {"version": v}
+            if full:
+                header["names"] = [(k, tuple(x.shape), wire) for k, x in model.state_dict().items()]
+            link.announce(header, timeout)
         probe = None
         if is_main or num_learners > 1:
             ids = probe_ids if is_main else None
@@ -1704,10 +1922,15 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 with autocast:
                     lp, _ = token_logprobs(model, batch)
             probe = lp[:-1].tolist()
+        times = {}
         if is_main:
-            link.send_weights({"version": v, "probe_ids": probe_ids, "probe_logprobs": probe}, state,
-                              args.timeout_s if full else args.startup_timeout_s)
-        return time.perf_counter() - t
+            if full:
+                times = link.stream(v, header["names"], full_tensors(model, wire))
+            link.announce({"probe_ids": probe_ids, "probe_logprobs": probe}, timeout)
+        elif full:
+            for _ in full_tensors(model, wire):  # each gather is a collective of all learners
+                pass
+        return dict(times, sync=time.perf_counter() - t)
 
     sync_weights(version, full=False)  # the engine loaded model_path from disk: probe it
     if is_main:
@@ -1745,7 +1968,9 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         return out
 
     def score(gs: list[dict], counts: Counter):
-        """verifiers.py rewards; infrastructure errors drop the sample (counted), "no answer" scores 0."""
+        """verifiers.py rewards. An error the response caused (no answer, a check that timed out on it, a
+        verifier that raised on it) scores 0; an infrastructure error (a lost pool worker, the judge
+        unreachable) drops the sample. Both are counted (verifier_error/<reason>, infra_failures)."""
         rows = [(g["verifier"], tokenizer.decode(s["response_ids"], skip_special_tokens=True), g["ground_truth"])
                 for g in gs for s in g["samples"]]
         results = iter(pool.score(rows))
@@ -1754,7 +1979,9 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             for s in g["samples"]:
                 r = next(results)
                 counts[f"verifier_error/{r.error}"] += r.error is not None
-                if r.error is not None and r.error not in ANSWER_ERRORS:
+                counts["samples_verified"] += 1
+                if r.error is not None and not caused_by_response(r.error):
+                    counts["infra_failures"] += 1
                     continue
                 s["reward"] = float(r.score) if r.error is None else 0.0
                 kept.append(s)
@@ -1766,19 +1993,22 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         prompts = [dispatcher.prompt(i, "eval", eval_ds[i], args.eval_num_samples) for i in range(len(eval_ds))]
         for a in range(num_actors):
             link.send_prompts(a, prompts[a::num_actors])
-        got = []
+        got, counts = [], Counter()
         while len(got) < len(prompts):
             got += pull(args.timeout_s, kind="eval")
-        score(got, Counter())
+        score(got, counts)  # responses that failed their check score 0; infrastructure failures are dropped
         scores = [g["rewards"] for g in got if g["rewards"]]
         lens = [len(s["response_ids"]) for g in got for s in g["samples"]]
-        return {"eval/pass@1": float(np.mean([np.mean(r) for r in scores])), f"eval/pass@{args.eval_num_samples}": float(np.mean([max(r) > 0.5 for r in scores])),
-                "eval/response_length": float(np.mean(lens)), "eval/prompts": len(scores), "time/eval": time.perf_counter() - t}
+        return {"eval/pass@1": float(np.mean([np.mean(r) for r in scores])) if scores else 0.0,
+                f"eval/pass@{args.eval_num_samples}": float(np.mean([max(r) > 0.5 for r in scores])) if scores else 0.0,
+                "eval/response_length": float(np.mean(lens)) if lens else 0.0, "eval/prompts": len(scores),
+                "eval/verifier_errors": sum(v for k, v in counts.items() if k.startswith("verifier_error/")),
+                "eval/samples_dropped_infra": counts["infra_failures"], "time/eval": time.perf_counter() - t}
 
     # ---------------------------------------------------------------------------------------------
     # Training loop
     # ---------------------------------------------------------------------------------------------
-    stash, leftover, pending_stats = [], [], []
+    stash, leftover, pending_stats, infra_streak = [], [], [], 0
     run_t0, totals = time.perf_counter(), Counter()
     eval_history = []
     for step in range(start_step, args.num_training_steps):
@@ -1831,9 +2061,18 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                      "advantage": a} for g, adv in zip(batch, advantages) for s, a in zip(g["samples"], adv)]
             rows = [r for r in rows if r["response_ids"]]
             minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
-            plan = [(split_bins(pack_rows(mb, pack_length), num_learners), sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
+            plan = [(learner_forwards(pack_rows(mb, pack_length), num_learners, forward_tokens),
+                     sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
             metrics.update(rollout_metrics(batch, counts, lags, first_lags, scored, pending_stats, args))
             pending_stats.clear()
+            # Infrastructure failures drop samples instead of scoring them: a run that mostly drops must stop.
+            failing = counts["infra_failures"] > args.max_infra_failure_rate * max(1, counts["samples_verified"])
+            infra_streak = infra_streak + 1 if failing else 0
+            if infra_streak >= 3:
+                raise RuntimeError(
+                    f"verifier infrastructure failures in 3 steps in a row (last: {counts['infra_failures']} of "
+                    f"{counts['samples_verified']} samples; --max_infra_failure_rate {args.max_infra_failure_rate}): "
+                    + ", ".join(f"{k[15:]} {v}" for k, v in counts.items() if k.startswith("verifier_error/") and v))
         else:
             plan = None
         if num_learners > 1:
@@ -1841,7 +2080,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         # ---- loss, backward, clip, step: old logprobs first when the batch is reused
         t = time.perf_counter()
         model.train()
-        mbs = [([collate_bin(b, tokenizer.pad_token_id or 0) for b in shares[rank]], ntok) for shares, ntok in plan]
+        mbs = [([collate_forward(bins, tokenizer.pad_token_id or 0) for bins in shares[rank]], ntok) for shares, ntok in plan]
         if args.num_mini_batches > 1 or args.num_epochs > 1:
             with torch.no_grad(), autocast:
                 for bins, _ in mbs:
@@ -1860,16 +2099,16 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                         new_lp, entropy = token_logprobs(model, b, args.temperature, with_entropy=True)
                     old_lp = b.get("old_logprobs", new_lp.detach())
                     dev = new_lp.device
-                    loss, stats = grpo_loss(new_lp[None], old_lp[None], b["sampling_logprobs"].to(dev)[None], b["advantages"].to(dev)[None],
-                                            b["mask"].to(dev)[None], args.clip_low, args.clip_high, args.tis_cap,
-                                            b["ref_logprobs"].to(dev)[None] if ref_model is not None else None, args.beta,
+                    loss, stats = grpo_loss(new_lp, old_lp, b["sampling_logprobs"].to(dev), b["advantages"].to(dev),
+                                            b["mask"].to(dev), args.clip_low, args.clip_high, args.tis_cap,
+                                            b["ref_logprobs"].to(dev) if ref_model is not None else None, args.beta,
                                             num_tokens_global=max(ntok, 1))
                     # FSDP2 averages gradients over learners; the loss is already a global token mean
                     (loss * num_learners).backward()
                     agg.update(stats)
                     agg["entropy_sum"] += (entropy * b["mask"].to(dev)).sum().item()
                     agg["loss"] += loss.item()
-                    learner_tokens += int(b["input_ids"].numel()) if b["mask"].sum() > 0 else 0
+                    learner_tokens += b["real_tokens"]
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
                 optimizer.step()
@@ -1878,11 +2117,17 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         train_time = time.perf_counter() - t
         version += 1
         # ---- weight sync (inflight on the actors) + probe
-        sync_time = sync_weights(version, full=True)
+        sync = sync_weights(version, full=True)
+        sync_time = sync["sync"]
         if is_main:
             dispatcher.begin_step(version)
-        if num_learners > 1:
-            learner_tokens = sum(broadcast_list([learner_tokens], groups["learners"], args.timeout_s, gather=True))
+        if num_learners > 1:  # each learner trained its own bins: the step's numbers are sums over learners
+            parts = broadcast_list([dict(agg, learner_tokens=learner_tokens)], groups["learners"], args.timeout_s,
+                                   gather=True)
+            agg = Counter()
+            for part in parts:
+                agg.update(part)  # update() adds and keeps negative sums (pg_loss), unlike Counter's +
+            learner_tokens = agg.pop("learner_tokens")
         step_time = time.perf_counter() - t_step  # excludes evaluation and checkpointing (time/save)
         # ---- save
         save_time = 0.0
@@ -1901,16 +2146,13 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 "train/tis_capped_fraction": agg["tis_capped_sum"] / n, "train/grad_norm": float(np.mean(grad_norms)),
                 "train/lr": scheduler.get_last_lr()[0], "train/trained_tokens": int(agg["tokens"]) // max(1, args.num_epochs),
                 "time/train": train_time, "time/weight_sync": sync_time, "time/step": step_time, "time/save": save_time,
+                **{f"time/weight_{k}": sync[k] for k in ("wait", "gather", "transfer") if k in sync},
                 "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9),
             })
             totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"], "learner_tokens": learner_tokens,
-                           "train_time": train_time, "sync_time": sync_time, "save_time": save_time})
-            for k in ("actor_gen_tokens", "actor_flops", "actor_bytes", "actor_elapsed", "actor_peak_flops_s", "actor_peak_bw_s",
-                      "actor_occupancy_s", "actor_weight_wait_s", "static_waste_sum", "static_waste_n"):
-                totals[k] += metrics.pop("_" + k, 0)
-            for k, k2 in (("perf/peak_source", "peak_source"), ("perf/peak_flops", "peak_flops"), ("perf/peak_memory_bandwidth", "peak_bw")):
-                if k in metrics:
-                    totals[k2] = metrics[k]
+                           "train_time": train_time, "sync_time": sync_time, "save_time": save_time,
+                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("wait", "gather", "transfer")}})
+            add_actor_totals(totals, metrics)
             logger.log(step + 1, metrics)
     # ---- the final model in output_dir, HF layout, as sft.py and dpo.py leave it: the next stage points here
     t = time.perf_counter()
@@ -1959,6 +2201,7 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
          "rollout/active_sampling_capped": counts["capped"],
          "rollout/groups_dropped_stale": counts["groups_dropped_stale"], "rollout/samples_dropped_stale": counts["samples_dropped_stale"],
          "rollout/verifier_errors": sum(v for k, v in counts.items() if k.startswith("verifier_error/")),
+         "rollout/verifier_infra_failures": counts["infra_failures"],
          }
     for k, v in counts.items():
         if k.startswith("verifier_error/"):
@@ -1996,15 +2239,21 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
               "perf/actor_mfu": s["flops"] / max(s["peak_flops_s"], 1e-9), "perf/actor_mbu": s["bytes"] / max(s["peak_bw_s"], 1e-9),
               "perf/actor_occupancy": s["occupancy_s"] / el, "time/actor_weight_wait": weight_wait,
               "time/actor_idle": s["idle_s"], "time/actor_drain": s["drain_s"], "time/actor_weight_load": s["weight_load_s"],
-              "sync/updates_skipped": s["updates_skipped"], "sync/probe_checks": s["probe_checks"], "sync/probe_mean_abs_diff": s["probe_mean"], "sync/probe_max_abs_diff": s["probe_max"]})
+              "sync/probe_checks": s["probe_checks"], "sync/probe_mean_abs_diff": s["probe_mean"],
+              "sync/probe_max_abs_diff": s["probe_max"]})
     if stats_list:
         m["perf/peak_source"] = stats_list[-1]["peak_source"]
         m["perf/peak_flops"], m["perf/peak_memory_bandwidth"] = stats_list[-1]["peak_flops"], stats_list[-1]["peak_bw"]
+    if s["weight_loads"]:  # the engines' own loading of the updates they reported this step, mean per engine
+        m["time/weight_load"] = s["weight_apply_s"] / s["weight_loads"]
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
+    m["_per_actor"] = {a: tuple(v) for a, v in per_actor.items()}
     m.update({"_actor_gen_tokens": s["gen_tokens"], "_actor_flops": s["flops"], "_actor_bytes": s["bytes"], "_actor_elapsed": s["elapsed"],
               "_actor_peak_flops_s": s["peak_flops_s"], "_actor_peak_bw_s": s["peak_bw_s"], "_actor_occupancy_s": s["occupancy_s"],
-              "_actor_weight_wait_s": weight_wait, "_static_waste_sum": s["static_waste_sum"], "_static_waste_n": s["static_waste_n"]})
+              "_actor_weight_wait_s": weight_wait, "_static_waste_sum": s["static_waste_sum"],
+              "_static_waste_n": s["static_waste_n"], "_actor_weight_apply_s": s["weight_apply_s"],
+              "_actor_weight_loads": s["weight_loads"]})
     return m
 
 
@@ -2052,13 +2301,35 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def add_actor_totals(totals: Counter, metrics: dict) -> None:
+    """Move a step's actor totals (the `_`-prefixed keys of rollout_metrics) from `metrics` into the run's
+    `totals`, for the summary. Per actor too: engines run side by side, so the run's generation rate is
+    the sum of each engine's tokens over its own time, not all tokens over all engines' time."""
+    for k in ("actor_gen_tokens", "actor_flops", "actor_bytes", "actor_elapsed", "actor_peak_flops_s", "actor_peak_bw_s",
+              "actor_occupancy_s", "actor_weight_wait_s", "static_waste_sum", "static_waste_n", "actor_weight_apply_s",
+              "actor_weight_loads"):
+        totals[k] += metrics.pop("_" + k, 0)
+    for actor, (tokens, seconds) in metrics.pop("_per_actor", {}).items():
+        totals[f"actor_tokens/{actor}"] += tokens
+        totals[f"actor_elapsed/{actor}"] += seconds
+    for k, k2 in (("perf/peak_source", "peak_source"), ("perf/peak_flops", "peak_flops"), ("perf/peak_memory_bandwidth", "peak_bw")):
+        if k in metrics:
+            totals[k2] = metrics[k]
+
+
+def generated_tokens_per_s(totals: Counter) -> float:
+    return sum(v / max(totals[f"actor_elapsed/{k[13:]}"], 1e-9) for k, v in totals.items() if k.startswith("actor_tokens/"))
+
+
 def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
     steps = max(totals["steps"], 1)
     summary = {
         "args": dataclasses.asdict(args), "steps": totals["steps"], "wall_s": time.perf_counter() - run_t0,
         "mean_step_time_s": totals["step_time"] / steps, "mean_data_wait_s": totals["data_wait"] / steps,
         "mean_weight_sync_s": totals["sync_time"] / steps,
-        "generated_tokens_per_s": totals["actor_gen_tokens"] / max(totals["actor_elapsed"], 1e-9),
+        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("wait", "gather", "transfer")},
+        "mean_weight_load_s": totals["actor_weight_apply_s"] / max(totals["actor_weight_loads"], 1),
+        "generated_tokens_per_s": generated_tokens_per_s(totals),
         "learner_tokens_per_s": totals["learner_tokens"] / max(totals["train_time"], 1e-9),
         "actor_mfu": totals["actor_flops"] / max(totals["actor_peak_flops_s"], 1e-9),
         "actor_mbu": totals["actor_bytes"] / max(totals["actor_peak_bw_s"], 1e-9),

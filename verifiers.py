@@ -48,7 +48,7 @@ trainer may prefer to score 0 rather than drop), "timeout", "worker_died", "bad_
 "unknown_verifier", "judge_unavailable", "judge_bad_output", "judge_bad_request",
 "sandbox_error", "sandbox_unavailable", "exception:<Type>".
 
-Timeouts. SIGALRM only works in the main thread (DESIGN.md sec 6), and math-verify's own timeout is
+Timeouts. SIGALRM only works in the main thread (a pool of threads never times out), and math-verify's own timeout is
 SIGALRM-based and, worse, returns False on timeout. So: `verify()` uses math-verify's timeout only
 when it runs in the main thread with no alarm of the caller's pending, and reports it as "timeout";
 the hard guarantee is `VerifierPool`, a process pool whose workers are killed and replaced when a

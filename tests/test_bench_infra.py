@@ -70,6 +70,9 @@ def test_report_hand_computed(tmp_path):
     assert t["inflight_vs_drained_steps_per_min"]["measured"] == pytest.approx(10.0 / 7.5) and t["inflight_vs_drained_steps_per_min"]["holds"]
     assert t["occupancy_continuous"]["measured"] == pytest.approx(0.95) and t["occupancy_continuous"]["holds"]
     assert t["weight_sync_share_of_step"]["measured"] == pytest.approx(0.2) and not t["weight_sync_share_of_step"]["holds"]
+    assert t["stale_groups_dropped"]["measured"] == 9 and not t["stale_groups_dropped"]["holds"]  # 1 a step, 3 x 3
+    # mean kept lengths 100, 350 / 3 and 100: the longest configuration's is 1/6 above the shortest's
+    assert t["kept_length_spread"]["measured"] == pytest.approx(350 / 300 - 1) and not t["kept_length_spread"]["holds"]
     # trained tok/s: 300 tokens in (21 - 5 + 4) s drained, in (16 - 4 + 4) s inflight
     assert res["context"] == pytest.approx({"continuous_inflight_vs_static_gen": 2.0, "occupancy_continuous_drained": 0.95,
                                             "occupancy_continuous_inflight": 0.97,
@@ -81,11 +84,7 @@ def test_report_hand_computed(tmp_path):
         assert col in p.stdout and col in md, col
     assert "measured on cpu" in p.stdout  # the output says where the peaks came from
     assert "MISSED" in md and "nan" not in md
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return
-    png = tmp_path / "tokens_per_s.png"
+    png = tmp_path / "tokens_per_s.png"  # matplotlib is a requirement: the plot is always written
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -111,5 +110,8 @@ def test_one_short_real_run(toy_model_dir, tmp_path):
     res = json.loads((tmp_path / "res" / "results.json").read_text())
     (row,) = res["rows"]
     assert row["steps"] == 2 and row["generated_tokens_per_s"] > 0 and 0 < row["actor_occupancy"] <= 1.0
-    assert 0 < row["actor_mbu"] and 0 < row["actor_mfu"]
+    assert 0 < row["actor_mbu"] <= 1.0 and 0 < row["actor_mfu"] <= 1.0
+    settings = (tmp_path / "res" / "settings.txt").read_text()
+    assert "FLOP/s" in settings and "every configuration divides by these" in settings  # measured once, passed on
+    assert row["peak_source"].startswith("given")
     assert (tmp_path / "res" / "run_continuous_inflight.log").exists()

@@ -293,6 +293,7 @@ def test_dpo_raises_heldout_preference_accuracy_and_keeps_task_accuracy(first_dp
     for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin",
                 "train/accuracy", "perf/tokens_per_s", "perf/mfu", "train/lr", "train/grad_norm"):
         assert math.isfinite(end[key]), key
+    assert all(0 < row["perf/mfu"] <= 1.0 for row in metrics if "perf/mfu" in row)  # a measured peak bounds it
     eval_path = os.path.join(toy_data_dir, "eval.jsonl")
     sft_acc = toy.evaluate(toy_sft_model_dir, eval_path, max_new_tokens=64, num_samples=0)["accuracy"]
     dpo_acc = toy.evaluate(first_dpo_run["out"], eval_path, max_new_tokens=64, num_samples=0)["accuracy"]

@@ -275,7 +275,7 @@ SCRIPTS = {
         ("--clip_lower", ["0.2"], ("clip_low", 0.2)),
         ("--wandb_project_name", ["olmo3-rl"], ("wandb_project", "olmo3-rl")),
         ("--vllm_enforce_eager", [], ("enforce_eager", True)),
-        ("--vllm_tensor_parallel_size", ["2"], (REFUSED, "tensor parallel size 1")),
+        ("--vllm_tensor_parallel_size", ["2"], ("vllm_tensor_parallel_size", 2)),
         ("--lr", ["1e-6"], (REFUSED, "--learning_rate")),
     ],
 }
@@ -330,7 +330,7 @@ def test_flag_counts_per_script():
               for (_, script), flags in SCRIPTS.items()}
     assert counts == {"7b_think_sft.sh": (0, 12), "7b_instruct_sft.sh": (0, 12), "finetune.py names": (16, 3),
                       "7b_think_dpo.sh": (17, 10), "7b_instruct_dpo.sh": (5, 1), "dpo_tune_cache.py names": (6, 3),
-                      "7b_think_rl.sh": (37, 21), "7b_instruct_rl.sh": (33, 17), "grpo_fast.py names": (3, 2)}
+                      "7b_think_rl.sh": (37, 21), "7b_instruct_rl.sh": (33, 17), "grpo_fast.py names": (4, 1)}
 
 
 def test_no_prefix_matching_and_unknown_flags_fail():

@@ -296,6 +296,7 @@ def test_ddp_fsdp_and_accumulation_give_the_same_run(reference_runs):
         assert curve[6]["train/loss"] < curve[1]["train/loss"] - 1.0, f"{name}: loss did not fall"
         for key in ("train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu"):
             assert key in curve[6] and curve[6][key] == curve[6][key]  # present, not NaN
+        assert all(0 < row["perf/mfu"] <= 1.0 for row in curve.values()), name  # a measured peak bounds it
     for step in range(1, 7):
         ref = curves["single"][step]
         for name in ("ddp", "fsdp"):
