@@ -5,10 +5,14 @@
 #   1. static_drained       --batching static     --no_inflight_updates   (OLMo 2: llm.generate per batch)
 #   2. continuous_drained   --batching continuous --no_inflight_updates   (engine kept full, drained for weights)
 #   3. continuous_inflight  --batching continuous --inflight_updates      (Olmo 3: weights loaded mid-generation)
+# and, when CONFIGS names it, colocated_inflight: the third one as `python grpo.py` (one process, the actor
+# in a thread, on CPU half of the cores each), to compare with the torchrun run in one command:
+#   CONFIGS="continuous_inflight colocated_inflight" bash bench_infra.sh
 # Columns: generated tokens/s, learner tokens/s, trained (kept) tokens/s, steps, mean step time, learner steps/min, actor MFU
 # and MBU (weights counted once per engine step, never once per sequence), actor engine occupancy, time the
 # actors waited for weights, time the learner waited for data, the static batch's wasted-compute
-# fraction ((max - mean length) / max), weight sync time and its share of a learner step, stale
+# fraction ((max - mean length) / max), weight sync time (split into gather, transfer and the engines'
+# load) and its share of a learner step, stale
 # groups dropped, and each configuration's speedup over the first. Writes results.json,
 # results.md, tokens_per_s.png and each run's log (run_*.log) and output directory into RESULTS_DIR.
 #
@@ -57,8 +61,8 @@
 # CPU default) and waits for its longest response before it takes the next batch. Continuous
 # batching keeps the slots filled from the prompts of the next ASYNC_STEPS steps. With drained
 # updates it still stops admitting at every learner step and drains before it loads the new
-# weights (the newest that has arrived; older ones are skipped), so its engine is idle part of the
-# time; inflight updates remove the drain. Under inflight updates a long sequence spans several
+# weights (streamed into its workers, at most about one update ahead of it: learner 0's stream waits
+# for a draining engine), so its engine is idle part of the time; inflight updates remove the drain. Under inflight updates a long sequence spans several
 # learner versions; the table's `token lag` column shows how many on average.
 #
 # Peaks. MFU and MBU divide by the device's peaks. On GPUs these are the datasheet's; on CPU they are
@@ -92,8 +96,8 @@
 #   STEPS                 learner steps per configuration, the budget (default 30) [enough for 2 h]
 #   SEED                  (default 1)
 #   ENFORCE_EAGER         1: vLLM without compilation, starts faster (default 1 on CPU, 0 on GPU)
-#   CONFIGS               which configurations to run (default all three, in the order above;
-#                         speedups are relative to the first one listed)
+#   CONFIGS               which configurations to run (default the three above, in that order;
+#                         colocated_inflight too when named; speedups are relative to the first one listed)
 #   EXTRA_ARGS            more grpo.py flags, the same for every configuration
 #   RESULTS_DIR           (default results/bench_infra_<UTC timestamp>)
 #   CACHE_DIR             where the toy model and data are built (default results/.bench_infra_cache)
@@ -123,7 +127,7 @@ report() {
 import json, math, os, sys
 
 out_dir = sys.argv[1]
-ORDER = ["static_drained", "continuous_drained", "continuous_inflight"]
+ORDER = ["static_drained", "continuous_drained", "continuous_inflight", "colocated_inflight"]
 TARGETS = {"continuous_vs_static_gen": 1.5, "inflight_vs_drained_steps_per_min": 1.3, "occupancy_continuous": 0.90,
            "weight_sync_share_of_step": 0.10, "stale_groups_dropped": 0, "kept_length_spread": 0.05}
 
@@ -176,6 +180,9 @@ def read_run(name):
         "static_wasted_fraction_source": waste_src,
         "mean_weight_sync_s": s["mean_weight_sync_s"],
         "weight_sync_share_of_step": s["mean_weight_sync_s"] / max(s["mean_step_time_s"], 1e-9),
+        # the update's parts: learner 0 gathering and packing, its stream to the engines (waits for them
+        # included), and the engines' own loading (mean per update and engine)
+        **{f"mean_weight_{k}_s": s.get(f"mean_weight_{k}_s", float("nan")) for k in ("gather", "transfer", "load")},
         "groups_dropped_stale": sum(r.get("rollout/groups_dropped_stale", 0) for r in steps),
         "token_lag_mean": sum(r.get("rollout/lag_mean", 0.0) for r in steps) / len(steps),
         "prompts_consumed": sum(r.get("rollout/prompts_consumed", 0) for r in steps),
@@ -233,6 +240,8 @@ if "continuous_drained" in by and "continuous_inflight" in by:
     context["inflight_vs_drained_trained_tokens_per_s"] = by["continuous_inflight"]["trained_tokens_per_s"] / max(by["continuous_drained"]["trained_tokens_per_s"], 1e-9)
 for r in cont:
     context[f"occupancy_{r['config']}"] = r["actor_occupancy"]
+if "continuous_inflight" in by and "colocated_inflight" in by:  # one process against the torchrun layout
+    context["colocated_vs_torchrun_steps_per_min"] = by["colocated_inflight"]["learner_steps_per_min"] / max(by["continuous_inflight"]["learner_steps_per_min"], 1e-9)
 
 load = "not recorded"
 if os.path.exists(os.path.join(out_dir, "loadavg.txt")):
@@ -244,6 +253,8 @@ COLS = [("config", "config", "{}"), ("gen tok/s", "generated_tokens_per_s", "{:.
         ("actor MFU", "actor_mfu", "{:.2%}"), ("actor MBU", "actor_mbu", "{:.2%}"), ("occupancy", "actor_occupancy", "{:.1%}"),
         ("actor weight wait s", "actor_weight_wait_s", "{:.1f}"), ("learner data wait s", "learner_data_wait_s", "{:.1f}"),
         ("static waste", "static_wasted_fraction", "{:.1%}"), ("weight sync s", "mean_weight_sync_s", "{:.2f}"),
+        ("gather s", "mean_weight_gather_s", "{:.3f}"), ("transfer s", "mean_weight_transfer_s", "{:.3f}"),
+        ("load s", "mean_weight_load_s", "{:.3f}"),
         ("sync/step", "weight_sync_share_of_step", "{:.1%}"), ("token lag", "token_lag_mean", "{:.2f}"),
         ("stale groups dropped", "groups_dropped_stale", "{}")]
 
@@ -430,6 +441,7 @@ for name in $CONFIGS; do
         static_drained)      FLAGS=(--batching static --inflight_updates false) ;;
         continuous_drained)  FLAGS=(--batching continuous --inflight_updates false) ;;
         continuous_inflight) FLAGS=(--batching continuous --inflight_updates true) ;;
+        colocated_inflight)  FLAGS=(--batching continuous --inflight_updates true) ;;
         *) echo "unknown configuration '$name' in CONFIGS" >&2; exit 2 ;;
     esac
     out=$RESULTS_DIR/$name
@@ -439,7 +451,9 @@ for name in $CONFIGS; do
     t0=$SECONDS
     echo "$name start $(cut -d' ' -f1-3 /proc/loadavg)" >>"$RESULTS_DIR/loadavg.txt"
     # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
-    if ! "${LAUNCH[@]}" "${COMMON[@]}" $EXTRA_ARGS --output_dir "$out" "${FLAGS[@]}" >"$log" 2>&1; then
+    RUN=("${LAUNCH[@]}")
+    [[ $name == colocated_inflight ]] && RUN=("$PYTHON" grpo.py)
+    if ! "${RUN[@]}" "${COMMON[@]}" $EXTRA_ARGS --output_dir "$out" "${FLAGS[@]}" >"$log" 2>&1; then
         echo "[bench_infra] $name FAILED after $(( SECONDS - t0 ))s. Errors in $log:" >&2
         grep -E "FATAL|Error|error:" "$log" | grep -v "elastic\|ChildFailedError" | head -n 10 >&2 || true
         echo "[bench_infra] the last 40 lines of $log:" >&2

@@ -33,7 +33,8 @@ def _write_run(root, name, summary, steps):
 def _summary(gen, occ, step_s, sync_s, steps=3, waste=None):
     return {"steps": steps, "generated_tokens_per_s": gen, "learner_tokens_per_s": 400.0, "mean_step_time_s": step_s,
             "mean_weight_sync_s": sync_s, "actor_mfu": 0.012, "actor_mbu": 0.034, "actor_occupancy": occ,
-            "actor_weight_wait_s": 2.5, "learner_data_wait_s": 7.5, "static_wasted_fraction": waste}
+            "actor_weight_wait_s": 2.5, "learner_data_wait_s": 7.5, "static_wasted_fraction": waste,
+            "mean_weight_gather_s": 0.25 * sync_s, "mean_weight_transfer_s": 0.5 * sync_s, "mean_weight_load_s": 0.125}
 
 
 def _report(results_dir):
@@ -63,6 +64,8 @@ def test_report_hand_computed(tmp_path):
     assert rows["static_drained"]["static_wasted_fraction"] == pytest.approx(0.54)  # the engine's own measure
     assert rows["continuous_drained"]["static_wasted_fraction"] == pytest.approx(0.5)  # would-be, from lengths
     assert rows["continuous_inflight"]["weight_sync_share_of_step"] == pytest.approx(0.2)
+    assert rows["continuous_inflight"]["mean_weight_transfer_s"] == pytest.approx(0.6)  # the update's parts are shown
+    assert rows["continuous_inflight"]["mean_weight_load_s"] == pytest.approx(0.125)
     assert rows["static_drained"]["trained_tokens_per_s"] == pytest.approx(300 / (30.0 - 10.0 + 4.0))  # 3 x 100 tokens, 24 s
     assert rows["static_drained"]["groups_dropped_stale"] == 3 and rows["static_drained"]["prompts_consumed"] == 48
     t = res["targets"]
@@ -86,6 +89,17 @@ def test_report_hand_computed(tmp_path):
     assert "MISSED" in md and "nan" not in md
     png = tmp_path / "tokens_per_s.png"  # matplotlib is a requirement: the plot is always written
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_compares_colocated_with_torchrun(tmp_path):
+    # torchrun: 2 steps in 12 s = 10 steps/min; colocated: 2 steps in 10 s = 12 steps/min
+    _write_run(tmp_path, "colocated_inflight", _summary(150.0, 0.9, 5.0, 0.1), [(3.0, 100, 200), (8.0, 100, 200), (13.0, 100, 200)])
+    _write_run(tmp_path, "continuous_inflight", _summary(200.0, 0.97, 6.0, 0.1), [(4.0, 100, 200), (10.0, 100, 200), (16.0, 100, 200)])
+    p = _report(tmp_path)
+    assert p.returncode == 0, p.stderr + p.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [r["config"] for r in res["rows"]] == ["continuous_inflight", "colocated_inflight"]
+    assert res["context"]["colocated_vs_torchrun_steps_per_min"] == pytest.approx(12.0 / 10.0)
 
 
 def test_report_without_runs_fails_clearly(tmp_path):
