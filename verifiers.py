@@ -70,8 +70,10 @@ code verifiers return "sandbox_unavailable" unless `allow_unsandboxed_code`. `sa
 says which mode this machine gets. Verdicts are decided here: for `code`, the sandbox only reports
 the values of the parts of each assert that need the program (`f(2)` of `assert f(2) == 4`) and
 this process compares them, so exiting early, forging output, patching builtins or `__eq__` cannot
-pass a test; tests whose asserts are not top-level statements (inside a loop or a function) are
-counted failed ("unsupported" in the details). For code_stdio this process compares stdout.
+pass a test; tests whose asserts are not top-level statements (inside a loop or a function) cannot
+be judged that way: the score is over the others ("unsupported" counts them in the details), and a row
+with none is the error "unsupported_tests" (reported before training, and dropped, never scored 0).
+For code_stdio this process compares stdout.
 
 Usage
 
@@ -2026,6 +2028,9 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         shadowed = set()
     plans = [_plan_test(t, shadowed) for t in tests]
+    judged = sum(plan is not None for plan in plans)
+    if not judged:  # no top-level assert to judge out of the program's reach: the label's fault, never a 0
+        return _fail("unsupported_tests", program[:2000], message="no test is a top-level assert statement")
     harness = _HARNESS.format(tests=[plan[0] if plan else [] for plan in plans])
     timeout = min(code_timeout, budget) if budget else code_timeout
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
@@ -2033,8 +2038,8 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     if run["status"] == "sandbox_error":
         return _fail("sandbox_error", program[:2000], message=run["stderr"][-500:])
     reports = _reports(run["channel"], plans) if run["status"] != "output_limit" else {}  # flooding its output fails all
-    passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans))
-    return VerifierResult(passed / len(tests), None, program[:2000],
+    passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans) if plan is not None)
+    return VerifierResult(passed / judged, None, program[:2000],
                           details={"passed": passed, "total": len(tests), "status": run["status"],
                                    "unsupported": sum(plan is None for plan in plans),
                                    "seconds": round(run["seconds"], 3), "stderr": run["stderr"][-500:]})
@@ -2275,6 +2280,10 @@ def row_problem(verifier: Any, label: Any) -> str | None:
     unknown = sorted({str(name) for name, _ in parts if _canonical(name) not in VERIFIERS})
     if unknown:
         return f"unknown verifier {', '.join(map(repr, unknown))} (known: {', '.join(sorted(VERIFIERS))})"
+    for name, part in parts:
+        tests = [t for t in _as_list(part) if isinstance(t, str) and t.strip()] if _canonical(name) == "code" else []
+        if tests and all(_plan_test(t, set()) is None for t in tests):
+            return "no code test is a top-level assert statement (e.g. `assert f(2) == 4`): none can be judged"
     return None
 
 
