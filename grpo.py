@@ -9,7 +9,9 @@ token-level loss normalization. Data flow:
     learner 0: verifiers.py rewards -> drop zero-std groups, keep pulling until exactly
                `num_unique_prompts_per_step` groups carry gradient (active sampling)
                -> advantages -> pack -> split evenly across learners -> batch packed rows per forward
-    learners: clipped loss + optimizer step -> learner 0 gathers full weights -> every actor
+    learners: clipped loss + optimizer step -> learner 0 streams the weights, parameter by parameter (each
+              gathered from the FSDP2 shards, cast to the training dtype, packed in buckets), straight into
+              the vLLM workers of every engine: no file, no copy on the actor ranks
     actors: load the new weights between two engine steps, keep running requests and their KV cache
             (inflight update), then check the engine against the learner on a fixed probe sequence
 
@@ -17,8 +19,12 @@ Roles. torchrun ranks [0, num_learners) are learners (one learner: plain module;
 the other ranks are actors, each owning one vLLM engine (vLLM spawns its engine process). With one
 process (`python grpo.py`) the actor runs in a thread beside the learner (on CPU each gets half of
 the cores, `--cpu_affinity`, as torchrun ranks do). nccl on GPU, gloo on CPU;
-separate gloo groups carry prompts, finished groups (Python objects) and weights between roles, and
-every wait between roles has a timeout (`--timeout_s`).
+separate gloo groups carry prompts, finished groups and weight-update headers (Python objects) between
+roles. The weights travel in a process group of their own, learner 0 and every vLLM worker of every
+engine (`WeightSender`; NCCL between GPUs, gloo on CPU, the same code), and each worker loads them with
+vLLM's in-place `reload_weights` as the buckets arrive. With `--vllm_tensor_parallel_size k` an engine
+spans k GPUs and each of its k workers receives the stream. Every wait between roles has a timeout
+(`--timeout_s`).
 
 Departures from the paper / open-instruct's grpo_fast.py, on purpose:
 - The off-policy bound `async_steps` K applies at admission, as PipelineRL and open-instruct run it:
@@ -99,8 +105,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# vLLM runs functions inside its worker process (collective_rpc) only with this set; the function
-# below only loads tensors this process wrote. A worker extension class would avoid it.
+# vLLM runs functions inside its worker process (collective_rpc) only with this set; the functions
+# below join learner 0's weight stream and load what it sends. A worker extension class would avoid it.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
@@ -162,7 +168,8 @@ class Args:
     # system
     num_learners: int = field(default=1, metadata={"help": "torchrun ranks [0, num_learners) learn; the rest are actors. Ignored with one process."})
     batching: str = field(default="continuous", metadata={"help": "'continuous' (keep the engine full) or 'static' (one generate-style batch at a time; ablation)."})
-    inflight_updates: bool = field(default=True, metadata={"help": "Load new weights between two engine steps without draining (off: drain, then load the newest weights that have arrived)."})
+    inflight_updates: bool = field(default=True, metadata={"help": "Load new weights between two engine steps without draining (off: drain, then load them; learner "
+                "0's weight stream waits for the drain, at most about one update ahead)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
     enforce_eager: bool = field(default=False, metadata={"aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
@@ -818,7 +825,7 @@ def _wait(work, timeout_s: float, what: str, abort=None):
         why = abort()
         if why:
             raise RuntimeError(f"{what} abandoned: {why}")
-        time.sleep(0.002)
+        time.sleep(0.0005)
     try:
         work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
     except Exception as e:  # gloo raises on timeout and when the peer's connection closes
@@ -892,17 +899,23 @@ def full_tensors(model, dtype):
         yield name, v.detach().to(dtype).full_tensor() if hasattr(v, "full_tensor") else v.detach()
 
 
+def wire_names(model, dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """What every update streams, in order: (name, full shape, wire dtype) of each state-dict entry."""
+    return [(k, tuple(v.shape), dtype) for k, v in model.state_dict().items()]
+
+
 class WeightSender:
     """Learner 0's end of the weight stream: rank 0 of a process group whose other ranks are the vLLM
     workers of every engine (rank 1 + engine x tensor_parallel_size + the worker's rank in its engine).
-    `info` tells the workers where to join (_join_weights_in_worker); `connect` waits for all of them."""
+    `info` tells the workers where to join (_join_weights_in_worker) and what each update carries
+    (`names`: wire_names); `connect` waits for all of them."""
 
-    def __init__(self, num_workers: int, backend: str, device, dtype, timeout_s: float, host: str = "127.0.0.1"):
+    def __init__(self, names: list, num_workers: int, backend: str, device, timeout_s: float, host: str = "127.0.0.1"):
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self.info = {"host": host, "port": self.store.port, "world_size": 1 + num_workers, "backend": backend,
-                     "timeout_s": timeout_s}
-        self.device, self.dtype, self.group = device, dtype, None
+                     "timeout_s": timeout_s, "names": names}
+        self.names, self.dtype, self.device, self.group = names, names[0][2], device, None
 
     def connect(self, join=None):
         """Build the group; `join()`, run in a thread meanwhile, makes the workers join (None: they do it
@@ -926,16 +939,18 @@ class WeightSender:
                 errors.append(e)
         return run
 
-    def send(self, version: int, names: list, tensors, abort=None) -> dict:
-        """Stream one update: the version first (it goes once every engine is ready to load: at its next
-        step boundary, or drained), then bucket after bucket of `tensors` ((name, full tensor) in `names`
-        order), each gathered, cast to the wire dtype and packed just before it goes. A worker loads a
-        bucket while the next is packed. Returns seconds spent waiting, gathering and transferring."""
-        timeout = self.info["timeout_s"]
+    def send(self, version: int, tensors, abort=None, announce=None) -> dict:
+        """Stream one update: its version, then bucket after bucket of `tensors` ((name, full tensor) in
+        `names` order), each gathered, cast to the wire dtype and packed just before it goes. The workers
+        receive up to two buckets ahead of their engine's loading; beyond that the stream waits for the
+        engines (their next step boundary, or their drain). `announce()` tells the engines to load: it is
+        called once the first bucket is in the workers (for a small model, the whole update), so that the
+        engines pause for loading only, never for the wire, and before the stream could wait on them.
+        Returns seconds spent gathering and transferring (waits for the engines included)."""
+        names, timeout = self.names, self.info["timeout_s"]
         t = time.perf_counter()
-        _broadcast(self.group, torch.tensor([version], device=self.device), timeout, "weight stream (engines ready)",
-                   abort)
-        times = {"wait": time.perf_counter() - t, "gather": 0.0, "transfer": 0.0}
+        _broadcast(self.group, torch.tensor([version], device=self.device), timeout, "weight stream (version)", abort)
+        times = {"gather": 0.0, "transfer": time.perf_counter() - t}
         tensors = iter(tensors)
         for i, j, numel in plan_buckets(names, self.dtype.itemsize):
             t = time.perf_counter()
@@ -950,51 +965,93 @@ class WeightSender:
             t2 = time.perf_counter()
             times["gather"] += t2 - t
             _broadcast(self.group, flat, timeout, f"weight stream (version {version}, bucket at {names[i][0]})", abort)
+            if i == 0 and announce is not None:
+                announce()
             times["transfer"] += time.perf_counter() - t2
         return times
 
 
 def _join_weights_in_worker(worker, info: dict, first_rank: int):
     """Runs inside each vLLM worker (collective_rpc): join learner 0's weight stream as rank first_rank +
-    this worker's rank in its engine (its tensor-parallel rank)."""
+    this worker's rank in its engine (its tensor-parallel rank), and start receiving (_receive_buckets)."""
     import datetime as _datetime
+    import queue as _queue
+    import threading as _threading
 
+    import torch as _torch
     import torch.distributed as _dist
 
+    # this worker's device, read here: the receiving thread starts on device 0 (CUDA's current device is per thread)
+    device = _torch.device("cuda", _torch.cuda.current_device()) if info["backend"] == "nccl" else _torch.device("cpu")
     store = _dist.TCPStore(info["host"], info["port"], is_master=False,
                            timeout=_datetime.timedelta(seconds=info["timeout_s"]))
     rank = first_rank + worker.rank
     group = weight_group(store, rank, info["world_size"], info["backend"], info["timeout_s"])
-    worker.grpo_weight_stream = (group, info)
+    inbox = _queue.Queue(maxsize=1)
+    worker.grpo_weight_stream = (inbox, info)
+    _threading.Thread(target=_receive_buckets, args=(group, info, device, inbox), daemon=True).start()
     return rank
 
 
-def _receive_weights_in_worker(worker, version: int, names: list):
-    """Runs inside each vLLM worker (collective_rpc): receive one update bucket by bucket and load it with
-    vLLM's in-place reload as it arrives (one reload whose iterator reads the wire: each layer is processed
-    once its last tensor is in). Checked before anything loads: the version on the wire; each bucket is
-    checked before its tensors load. A reload that fails midway leaves the model half loaded (its
-    layers on the meta device): the caller treats any error as fatal. Returns the seconds spent loading,
-    not waiting for the wire."""
+def _receive_buckets(group, info: dict, device, inbox):
+    """A thread in each vLLM worker: receives every update as learner 0 streams it (its version, then its
+    buckets) into `inbox`, while the engine keeps generating. The inbox holds one item, so at most two
+    buckets wait for the engine, which loads them only between two steps (_receive_weights_in_worker);
+    learner 0's stream blocks while they wait. An error ends the thread and is handed to the next load."""
+    import torch as _torch
+
+    if device.type == "cuda":
+        _torch.cuda.set_device(device)
+    names, timeout = info["names"], info["timeout_s"]
+    dtype = names[0][2]
+    try:
+        while True:
+            version = _torch.zeros(1, dtype=_torch.int64, device=device)
+            _broadcast(group, version, timeout, "weight stream (next version)")
+            inbox.put(("version", int(version.item())))
+            for i, j, numel in plan_buckets(names, dtype.itemsize):
+                flat = _torch.empty(numel, dtype=dtype, device=device)
+                _broadcast(group, flat, timeout, f"weight stream (bucket at {names[i][0]})")
+                inbox.put(("bucket", flat))
+    except Exception as e:
+        inbox.put(("error", e))
+
+
+def _receive_weights_in_worker(worker, version: int):
+    """Runs inside each vLLM worker (collective_rpc), between two engine steps: load update `version` with
+    vLLM's in-place reload, bucket by bucket as _receive_buckets hands them over (one reload whose iterator
+    reads the stream: each layer is processed once its last tensor is in). Checked before anything loads:
+    the version; each bucket before its tensors load. A reload that fails midway leaves the model half
+    loaded (its layers on the meta device): the caller treats any error as fatal. Returns the seconds
+    spent loading, not waiting for the wire."""
     import math as _math
+    import queue as _queue
     import time as _time
 
     import torch as _torch
 
-    group, info = worker.grpo_weight_stream
-    device = _torch.device("cuda", _torch.cuda.current_device()) if info["backend"] == "nccl" else _torch.device("cpu")
-    timeout, dtype, waited = info["timeout_s"], names[0][2], [0.0]
-    got = _torch.zeros(1, dtype=_torch.int64, device=device)
-    _broadcast(group, got, timeout, "weight stream (version)")
-    if int(got.item()) != version:
-        raise ValueError(f"weight stream: learner 0 sends version {int(got.item())}, this engine expects {version}")
+    inbox, info = worker.grpo_weight_stream
+    names, timeout, waited = info["names"], info["timeout_s"], [0.0]
+
+    def take(what):
+        t = _time.perf_counter()
+        try:
+            kind, item = inbox.get(timeout=timeout)
+        except _queue.Empty:
+            raise TimeoutError(f"weight stream: no {what} from learner 0 within {timeout:.0f}s") from None
+        waited[0] += _time.perf_counter() - t
+        if kind == "error":
+            raise RuntimeError(f"weight stream: {item}") from item
+        return kind, item
+
+    kind, got = take("version")
+    if (kind, got) != ("version", version):
+        raise ValueError(f"weight stream: learner 0 sends {kind} {got}, this engine expects version {version}")
+    waited[0] = 0.0
 
     def stream():
-        for i, j, numel in plan_buckets(names, dtype.itemsize):
-            flat = _torch.empty(numel, dtype=dtype, device=device)
-            t = _time.perf_counter()
-            _broadcast(group, flat, timeout, f"weight stream (version {version}, bucket at {names[i][0]})")
-            waited[0] += _time.perf_counter() - t
+        for i, j, _ in plan_buckets(names, names[0][2].itemsize):
+            _, flat = take("bucket")
             if not _torch.isfinite(flat).all():
                 raise ValueError(f"weight stream: non-finite values in version {version} "
                                  f"({names[i][0]} .. {names[j - 1][0]})")
@@ -1133,15 +1190,15 @@ TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 # -------------------------------------------------------------------------------------------------
 class Actor:
     """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (weight update headers:
-    version, probe, and the names, shapes and dtype of the tensors learner 0 then streams into the engine's
-    workers). Output: `emit(message)` for finished groups and errors.
+    the version, the learner's logprobs of a probe sequence, and whether the weights stream into the
+    engine's workers). Output: `emit(message)` for finished groups and errors.
     `run()` is the engine loop; in the colocated mode it runs in a thread."""
 
     def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1):
         from vllm import LLM
 
         self.args, self.actor_id, self.emit = args, actor_id, emit
-        self.inbox, self.updates, self.probes = queue.Queue(), queue.Queue(), queue.Queue()
+        self.inbox, self.updates = queue.Queue(), queue.Queue()
         self.stop = threading.Event()
         self.dtype = torch.float32 if device == "cpu" else torch.bfloat16
         saved = {k: os.environ.pop(k) for k in TORCHRUN_VARS if k in os.environ}
@@ -1288,10 +1345,10 @@ class Actor:
         pause only makes vLLM's per-token version labels exact."""
         t = time.perf_counter()
         core = self.engine.engine_core
-        if upd.get("names"):
+        if upd.get("stream"):
             core.call_utility("pause_scheduler", "keep", False)  # mode keep: no abort, no cache clear
             try:
-                loads = self.llm.collective_rpc(_receive_weights_in_worker, args=(upd["version"], upd["names"]))
+                loads = self.llm.collective_rpc(_receive_weights_in_worker, args=(upd["version"],))
             except Exception as e:
                 raise RuntimeError(f"actor {self.actor_id}: weight update to version {upd['version']} failed; the "
                                    f"engine is unusable now: {e}") from e
@@ -1304,12 +1361,6 @@ class Actor:
         self.version = upd["version"]
         self.stats["weight_load_s"] += time.perf_counter() - t
         self.stats["updates"] += 1
-        if "probe_ids" not in upd:  # learner 0 computes it while the engine gets ready, sends it after the stream
-            try:
-                upd = dict(upd, **self.probes.get(timeout=self.args.timeout_s))
-            except queue.Empty:
-                raise RuntimeError(f"actor {self.actor_id}: no probe for version {upd['version']} from learner 0 "
-                                   f"within {self.args.timeout_s:.0f}s") from None
         if upd.get("probe_ids"):
             self._start_probe(upd["probe_ids"], upd["probe_logprobs"], upd["version"])
 
@@ -1438,12 +1489,12 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                 return
             send_obj(msg, learner0, groups["data"], args.timeout_s)
 
-    def weights_in():  # headers and probes: the engine loop receives the tensors themselves (Actor._apply_update)
+    def weights_in():  # headers only: the engine loop receives the tensors themselves (Actor._apply_update)
         while not actor.stop.is_set():
             msg = broadcast_obj(None, learner0, groups["weights"], args.timeout_s)
             if msg.get("stop"):
                 return
-            (actor.probes if "probe_ids" in msg else actor.updates).put(msg)
+            actor.updates.put(msg)
 
     def stalled_engine(busy: float) -> str:
         """Say which engine stopped answering, and kill its processes (a stopped one ignores anything
@@ -1562,16 +1613,19 @@ class Link:
             broadcast_obj(sender.info, 0, self.groups["weights"], self.args.startup_timeout_s)
             sender.connect()
 
-    def announce(self, msg: dict, timeout_s: float):
-        """A weight update's header (version, and the names of the tensors the stream then carries), or
-        its probe (the learner's logprobs of the probe sequence, sent once the stream is through)."""
-        if self.local is not None:
-            (self.local.probes if "probe_ids" in msg else self.local.updates).put(msg)
-        else:
-            broadcast_obj(msg, 0, self.groups["weights"], timeout_s)
+    def send_weights(self, header: dict, tensors, timeout_s: float) -> dict:
+        """A weight update: its header (version, probe; `stream`: its weights stream into the engines'
+        workers) to every actor, and the stream of `tensors` (returns its times)."""
+        def announce():
+            if self.local is not None:
+                self.local.updates.put(header)
+            else:
+                broadcast_obj(header, 0, self.groups["weights"], timeout_s)
 
-    def stream(self, version: int, names: list, tensors) -> dict:
-        return self.sender.send(version, names, tensors, abort=lambda: self.error)
+        if not header.get("stream"):
+            announce()
+            return {}
+        return self.sender.send(header["version"], tensors, abort=lambda: self.error, announce=announce)
 
     def close(self):
         self.closing.set()
@@ -1888,9 +1942,9 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         # learner shares its GPU with the engine: NCCL takes one rank per GPU). Training dtype on the wire.
         backend = "nccl" if device.startswith("cuda") and world_size > 1 else "gloo"
         link.connect_weights(WeightSender(
-            max(1, len(actor_ranks)) * args.vllm_tensor_parallel_size, backend, device if backend == "nccl" else "cpu",
-            torch.bfloat16 if bf16 else torch.float32, max(args.timeout_s, args.startup_timeout_s),
-            os.environ.get("MASTER_ADDR", "127.0.0.1")))
+            wire_names(model, torch.bfloat16 if bf16 else torch.float32), max(1, len(actor_ranks)) *
+            args.vllm_tensor_parallel_size, backend, device if backend == "nccl" else "cpu",
+            max(args.timeout_s, args.startup_timeout_s), os.environ.get("MASTER_ADDR", "127.0.0.1")))
         if local_actor is not None:
             threading.Thread(target=actor_thread, daemon=True).start()
         num_actors = max(1, len(actor_ranks))
@@ -1898,19 +1952,13 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     version = start_step
 
     def sync_weights(v: int, full: bool) -> dict:
-        """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the header (the version and,
-        for a full update, the tensors' names and shapes) first, so that the engines get ready while the
-        learner computes its logprobs of the probe sequence; then it streams the weights into every engine's
-        workers, parameter by parameter, in the training dtype; then the probe. Returns seconds: sync (all
-        of it), and wait, gather, transfer (learner 0, full updates)."""
+        """ALL learners call this (FSDP2 gathers are collective). Learner 0 streams the weights into every
+        engine's workers, parameter by parameter, in the training dtype, and sends the header (the version
+        and the learner's logprobs of the probe sequence) on the way (Link.send_weights; without `full`,
+        only the header: the initial check). Returns seconds: sync (all of it), and gather, transfer
+        (learner 0, full updates)."""
         t = time.perf_counter()
         wire = torch.bfloat16 if bf16 else torch.float32
-        timeout = args.timeout_s if full else args.startup_timeout_s
-        if is_main:
-            header = {"version": v}
-            if full:
-                header["names"] = [(k, tuple(x.shape), wire) for k, x in model.state_dict().items()]
-            link.announce(header, timeout)
         probe = None
         if is_main or num_learners > 1:
             ids = probe_ids if is_main else None
@@ -1924,9 +1972,9 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             probe = lp[:-1].tolist()
         times = {}
         if is_main:
-            if full:
-                times = link.stream(v, header["names"], full_tensors(model, wire))
-            link.announce({"probe_ids": probe_ids, "probe_logprobs": probe}, timeout)
+            header = {"version": v, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
+            times = link.send_weights(header, full_tensors(model, wire) if full else (),
+                                      args.timeout_s if full else args.startup_timeout_s)
         elif full:
             for _ in full_tensors(model, wire):  # each gather is a collective of all learners
                 pass
@@ -2146,12 +2194,12 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 "train/tis_capped_fraction": agg["tis_capped_sum"] / n, "train/grad_norm": float(np.mean(grad_norms)),
                 "train/lr": scheduler.get_last_lr()[0], "train/trained_tokens": int(agg["tokens"]) // max(1, args.num_epochs),
                 "time/train": train_time, "time/weight_sync": sync_time, "time/step": step_time, "time/save": save_time,
-                **{f"time/weight_{k}": sync[k] for k in ("wait", "gather", "transfer") if k in sync},
+                **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
                 "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9),
             })
             totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"], "learner_tokens": learner_tokens,
                            "train_time": train_time, "sync_time": sync_time, "save_time": save_time,
-                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("wait", "gather", "transfer")}})
+                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
             add_actor_totals(totals, metrics)
             logger.log(step + 1, metrics)
     # ---- the final model in output_dir, HF layout, as sft.py and dpo.py leave it: the next stage points here
@@ -2223,7 +2271,9 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
     s = Counter()
     for st in stats_list:
         for k, v in st.items():
-            if isinstance(v, (int, float)) and k not in ("actor", "peak_flops", "peak_bw", "max_num_seqs") and not k.startswith("probe_"):
+            # probe diffs are maxed below; every other number (probe_checks too) is summed
+            if isinstance(v, (int, float)) and k not in ("actor", "peak_flops", "peak_bw", "max_num_seqs",
+                                                          "probe_mean_abs_diff", "probe_max_abs_diff"):
                 s[k] += v
         s["peak_flops_s"] += st["elapsed"] * st["peak_flops"]
         s["peak_bw_s"] += st["elapsed"] * st["peak_bw"]
@@ -2246,6 +2296,7 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         m["perf/peak_flops"], m["perf/peak_memory_bandwidth"] = stats_list[-1]["peak_flops"], stats_list[-1]["peak_bw"]
     if s["weight_loads"]:  # the engines' own loading of the updates they reported this step, mean per engine
         m["time/weight_load"] = s["weight_apply_s"] / s["weight_loads"]
+    m["_engines_loaded"] = sorted({st["actor"] for st in stats_list if st.get("weight_loads")})
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
     m["_per_actor"] = {a: tuple(v) for a, v in per_actor.items()}
@@ -2309,6 +2360,8 @@ def add_actor_totals(totals: Counter, metrics: dict) -> None:
               "actor_occupancy_s", "actor_weight_wait_s", "static_waste_sum", "static_waste_n", "actor_weight_apply_s",
               "actor_weight_loads"):
         totals[k] += metrics.pop("_" + k, 0)
+    for actor in metrics.pop("_engines_loaded", []):  # engines that loaded a streamed update, for the summary
+        totals[f"weight_loaded/{actor}"] = 1
     for actor, (tokens, seconds) in metrics.pop("_per_actor", {}).items():
         totals[f"actor_tokens/{actor}"] += tokens
         totals[f"actor_elapsed/{actor}"] += seconds
@@ -2327,8 +2380,9 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "args": dataclasses.asdict(args), "steps": totals["steps"], "wall_s": time.perf_counter() - run_t0,
         "mean_step_time_s": totals["step_time"] / steps, "mean_data_wait_s": totals["data_wait"] / steps,
         "mean_weight_sync_s": totals["sync_time"] / steps,
-        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("wait", "gather", "transfer")},
+        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "transfer")},
         "mean_weight_load_s": totals["actor_weight_apply_s"] / max(totals["actor_weight_loads"], 1),
+        "engines_loaded": sum(1 for k in totals if k.startswith("weight_loaded/")),
         "generated_tokens_per_s": generated_tokens_per_s(totals),
         "learner_tokens_per_s": totals["learner_tokens"] / max(totals["train_time"], 1e-9),
         "actor_mfu": totals["actor_flops"] / max(totals["actor_peak_flops_s"], 1e-9),

@@ -1,7 +1,8 @@
 """grpo.py: unit tests of the pure pieces (loss, advantages, active sampling, off-policy bound, packing,
 utilization math) against hand-computed values, then end-to-end runs on the toy model (marked slow):
 an inflight weight update seen token by token, a colocated run within the off-policy bound, torchrun
-learner + actor, a killed actor, resume, two FSDP2 learners that resume."""
+learner + actor (weights streamed into the engine, no file), two actors, a killed actor, resume, two FSDP2
+learners that resume."""
 
 import ast
 import contextlib
@@ -104,6 +105,58 @@ def test_measured_peaks_on_cpu():
 # -------------------------------------------------------------------------------------------------
 # Advantages, active sampling, off-policy bound
 # -------------------------------------------------------------------------------------------------
+def test_engine_gpus_learners_first_then_tensor_parallel_engines(monkeypatch):
+    """Which GPUs an actor rank's engine gets: a node's learners take its first GPUs, one each, and each
+    actor rank the next `tp`; CUDA_VISIBLE_DEVICES is honoured; a node short of GPUs stops with what to run."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # one node, torchrun --nproc-per-node 6 --num_learners 4 --vllm_tensor_parallel_size 2, 8 GPUs
+    assert grpo.engine_gpus(4, 4, 6, 4, 2, 8) == (4, "4,5") and grpo.engine_gpus(5, 5, 6, 4, 2, 8) == (6, "6,7")
+    # two nodes: 8 learners on node 0 (ranks 0-7), 4 engines of 2 GPUs on node 1 (ranks 8-11)
+    assert [grpo.engine_gpus(r, r - 8, 4, 8, 2, 8) for r in (8, 11)] == [(0, "0,1"), (6, "6,7")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
+    assert grpo.engine_gpus(4, 4, 6, 4, 2, 8) == (4, "3,2")
+    with pytest.raises(SystemExit, match="--nproc-per-node = learners \\+ engines"):
+        grpo.engine_gpus(4, 4, 8, 4, 2, 8)  # 4 learners + 4 engines of 2 GPUs on 8 GPUs
+
+
+def test_weight_stream_round_trip_checks_before_loading():
+    """learner 0 -> one worker over the weight stream (gloo, both ends in this process; a stand-in for
+    vLLM's model runner): buckets arrive whole and in order and are handed to one reload; a bucket with
+    non-finite values and an update whose version is not the one the engine expects fail before their
+    tensors load."""
+    from types import SimpleNamespace
+
+    names = [("a", (3, 4), torch.float32), ("b", (5,), torch.float32), ("c", (2, 50), torch.float32)]
+    sd = {n: torch.randn(shape) for n, shape, _ in names}
+    loads = []
+    runner = SimpleNamespace(reload_weights=lambda weights_iterator: loads.append(
+        {k: v.clone() for k, v in weights_iterator}))
+    worker = SimpleNamespace(rank=0, model_runner=runner)
+    sender = grpo.WeightSender(names, 1, "gloo", "cpu", 30)
+    sender.connect(join=lambda: grpo._join_weights_in_worker(worker, sender.info, 1))
+    assert [b[:2] for b in grpo.plan_buckets(names, 4, bucket_bytes=64)] == [(0, 1), (1, 2), (2, 3)]
+
+    def send(version, state):
+        th = threading.Thread(target=sender.send, args=(version, state.items()), daemon=True)
+        th.start()
+        return th
+
+    th = send(1, sd)
+    assert grpo._receive_weights_in_worker(worker, 1) >= 0
+    th.join(10)
+    assert len(loads) == 1 and list(loads[0]) == ["a", "b", "c"]
+    assert all(torch.equal(loads[0][k], sd[k]) for k in sd)
+    th = send(2, dict(sd, b=torch.full((5,), float("nan"))))
+    with pytest.raises(ValueError, match="non-finite values in version 2"):
+        grpo._receive_weights_in_worker(worker, 2)
+    th.join(10)
+    th = send(3, sd)
+    with pytest.raises(ValueError, match="expects version 4"):
+        grpo._receive_weights_in_worker(worker, 4)
+    th.join(10)
+    assert len(loads) == 1  # neither failed update reached a load
+
+
 def test_split_cores_gives_each_local_rank_its_own_share():
     assert grpo.split_cores([0, 1], 0, 2) == [0] and grpo.split_cores([0, 1], 1, 2) == [1]
     shares = [grpo.split_cores(list(range(5)), r, 2) for r in range(2)]
@@ -602,29 +655,29 @@ def _args(**kw):
     return args
 
 
-def _connect_stream(actor):
+def _connect_stream(actor, model):
     """Be learner 0 of a weight stream to `actor`'s engine, as grpo.learner is (gloo, fp32 on the wire)."""
-    sender = grpo.WeightSender(1, "gloo", "cpu", torch.float32, 120)
+    sender = grpo.WeightSender(grpo.wire_names(model, torch.float32), 1, "gloo", "cpu", 120)
     sender.connect(join=lambda: actor.connect_weights(sender.info, 1))
     return sender
 
 
 def _weight_update(model, version, probe_ids):
-    """What learner 0 sends: a header (the version, the tensors' names and shapes, the learner's logprobs of
-    a fixed probe sequence), then the tensors themselves."""
+    """What learner 0 sends: a header (the version, and the learner's logprobs of a fixed probe sequence),
+    then the tensors themselves."""
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), -1)
-    header = {"version": version, "names": [(k, tuple(v.shape), torch.float32) for k, v in sd.items()],
-              "probe_ids": probe_ids, "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]}
+    header = {"version": version, "stream": True, "probe_ids": probe_ids,
+              "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]}
     return header, sd
 
 
 def _push(actor, sender, update) -> dict:
-    """The header to the actor, then the stream; returns (with its times) once the engine has taken it all."""
+    """The header to the actor, then the stream (it returns once the engine's workers hold the last bucket)."""
     header, sd = update
     actor.updates.put(header)
-    return sender.send(header["version"], header["names"], sd.items())
+    return sender.send(header["version"], sd.items())
 
 
 @pytest.mark.slow
@@ -661,7 +714,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
             assert time.time() < limit and not errors, errors
             time.sleep(0.002)
 
-    sender = _connect_stream(actor)
+    sender = _connect_stream(actor, old)
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
@@ -696,8 +749,8 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         # the probe after the update passed
         time.sleep(0.5)
         assert not errors and out[-1]["stats"].get("probe_checks", 0) + actor.stats["probe_checks"] >= 1
-        # drained updates: version 2 is sent while a request runs; the stream waits until the request has
-        # finished under version 1, then the engine loads version 2 (whose probe would fail on 1's weights)
+        # drained updates: version 2 is sent while a request runs; the engine loads it only once the request
+        # has finished under version 1 (and version 2's probe would fail on 1's weights)
         actor.args.inflight_updates = False
         model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -705,15 +758,15 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         n_out = len(out)
         actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math", "n": 2}])
         wait_until_both_samples_run(deadline + 120)
-        times = _push(actor, sender, _weight_update(model, 2, probe_ids))
-        (drained,) = [m["group"] for m in out[n_out:] if "group" in m]  # already out when the stream went
-        assert all(s["versions"] == [1] * 160 for s in drained["samples"])  # no update mid-sequence
-        assert times["wait"] > 0.1  # the stream waited for the drain (about 150 tokens of decoding)
+        _push(actor, sender, _weight_update(model, 2, probe_ids))
+        assert actor.version == 1 and actor.pending  # the whole stream is in the workers; the engine still drains
         while actor.version != 2 or actor.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline + 240 and not errors, errors
             time.sleep(0.01)
         time.sleep(0.2)
         assert not errors, errors
+        (drained,) = [m["group"] for m in out[n_out:] if "group" in m]
+        assert all(s["versions"] == [1] * 160 for s in drained["samples"])  # no update mid-sequence
         # a probe that disagrees must stop the actor
         header, _ = first
         actor.updates.put({"version": 5, "probe_ids": probe_ids, "probe_logprobs": [x + 0.5 for x in header["probe_logprobs"]]})
@@ -753,7 +806,7 @@ def test_prefix_cache_is_reused_only_within_a_policy_version(toy_model_dir, tmp_
             time.sleep(0.01)
         return sum(m["stats"].get("prefill_tokens", 0) for m in out[n:])
 
-    sender = _connect_stream(actor)
+    sender = _connect_stream(actor, model)
     threading.Thread(target=run, daemon=True).start()
     try:
         actor.updates.put({"version": 0})
@@ -939,35 +992,103 @@ def test_torchrun_ctrl_c_every_process_exits_checkpoint_intact(toy_model_dir, to
     assert state["step"] >= 2 and state["sampler_position"] > 0
 
 
+def test_weight_dir_is_refused_with_what_replaced_it():
+    """--weight_dir staged every update as a file for the engines; weights now stream into the engines'
+    workers, so an old launch line that passes it stops at once and says why."""
+    import chat_template
+
+    with pytest.raises(SystemExit, match="--weight_dir.*stream from learner 0 straight into the engines"):
+        chat_template.parse_stage_args(grpo.Args, grpo.UNSUPPORTED_FLAGS, ["--weight_dir", "/dev/shm"])
+
+
+class _FilesCreated:
+    """Names of the files created in some directories while it runs (inotify: even a file that lives for a
+    millisecond is seen, where polling a listing would miss it)."""
+
+    def __init__(self, *dirs):
+        import ctypes
+
+        self.libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK)
+        created, moved_in = 0x100, 0x80
+        self.dirs = {self.libc.inotify_add_watch(self.fd, d.encode(), created | moved_in): d for d in dirs}
+        assert self.fd >= 0 and all(wd >= 0 for wd in self.dirs), "inotify is not available"
+        self.names = []
+
+    def read(self) -> list[str]:
+        import struct
+
+        with contextlib.suppress(BlockingIOError):
+            data = os.read(self.fd, 1 << 20)
+            off = 0
+            while off < len(data):
+                wd, _, _, n = struct.unpack_from("iIII", data, off)
+                name = data[off + 16:off + 16 + n].rstrip(b"\0").decode()
+                self.names.append(os.path.join(self.dirs.get(wd, "?"), name))
+                off += 16 + n
+        return self.names
+
+
+def _torchrun(nproc, toy_model_dir, toy_data_dir, out, *extra, env=None, timeout=400, every=None) -> tuple[int, str]:
+    """Run `torchrun --nproc-per-node nproc grpo.py` on the toy model; `every(pid)` is called each 0.2 s while it
+    runs. Returns (exit code, log)."""
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--eval_every", "0", "--num_unique_prompts_per_step", "2",
+                       "--num_samples_per_prompt", "4", "--max_prompts_per_step_factor", "2", "--timeout_s", "60",
+                       *extra)
+    with open(out + ".log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                                 "grpo.py", *cmd], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        deadline = time.time() + timeout
+        while proc.poll() is None and time.time() < deadline:
+            if every is not None:
+                every(proc.pid)
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait(), open(out + ".log").read()
+
+
 @pytest.mark.slow
-def test_torchrun_weight_dir_too_small_fails_at_start(toy_model_dir, toy_data_dir, tmp_path):
-    """A 1 MB tmpfs as --weight_dir (one weight update of the toy model takes 14 MB): the run ends within
-    seconds with an error that names the directory and the room it needs, before any engine starts; it
-    does not hang, and does not crash at the first weight update minutes later. A write that runs out
-    of space anyway says where, and leaves no partial file behind."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(weights)], check=True)
-    try:
-        _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, str(tmp_path / "run"), "--num_training_steps", "3",
-                           "--eval_every", "0", "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "2",
-                           "--weight_dir", str(weights), "--timeout_s", "60")
-        t = time.time()
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
-                              cwd=REPO, capture_output=True, text=True, timeout=600)
-        elapsed = time.time() - t
-        with pytest.raises(RuntimeError, match=f"cannot stage a weight update in {weights}"):
-            grpo.stage_weights({"w": torch.zeros(2 ** 19)}, str(weights / "w.pt"))  # 2 MB
-        assert os.listdir(weights) == []
-    finally:
-        subprocess.run(["umount", str(weights)], check=False)
-    text = proc.stdout + proc.stderr
-    print(f"exited {proc.returncode} after {elapsed:.1f}s")
-    assert proc.returncode != 0 and f"[rank 1] FATAL: weight directory {weights} has 1.0 MiB free" in text, text[-3000:]
-    assert "--weight_dir" in text and "starting vLLM" not in text
-    assert elapsed < 60  # measured: about 20 s, nearly all of it starting Python, torch and gloo
+def test_torchrun_weights_stream_without_any_file(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 1 actor, four weight updates: no weight file appears in /dev/shm or the temp dir
+    (the old path staged each update in /dev/shm as grpo_<actor pid>_v<N>.pt), every probe after an update
+    matches, and the update's time is logged split into gather, transfer and load. /dev/shm is shared with
+    whatever else runs on the machine: there, only names that carry a pid of this run count."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    watch, pids = _FilesCreated("/dev/shm", str(tmp)), set()
+    out = str(tmp_path / "run")
+    rc, log = _torchrun(2, toy_model_dir, toy_data_dir, out, "--num_training_steps", "4",
+                        env=dict(os.environ, TMPDIR=str(tmp)), every=lambda pid: pids.update(_descendants(pid)))
+    assert rc == 0, log[-3000:]
+    created = watch.read()
+    print(f"{len(created)} files created in /dev/shm and TMPDIR during the run by {len(pids)} processes of it and "
+          f"others: {sorted(set(created))[:20]}")
+    ours = [n for n in created if n.startswith(str(tmp)) or any(str(p) in os.path.basename(n) for p in pids)]
+    weights = [n for n in ours if "grpo" in os.path.basename(n) or n.endswith((".pt", ".safetensors", ".bin"))]
+    assert len(pids) >= 4 and not weights, (pids, weights)
+    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(rows) == 4 and sum(r["sync/probe_checks"] for r in rows) >= 3
+    assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+    assert all(r["time/weight_gather"] > 0 and r["time/weight_transfer"] > 0 for r in rows)
+    assert any("time/weight_load" in r for r in rows)
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["mean_weight_load_s"] > 0 and summary["mean_weight_transfer_s"] > 0
+
+
+@pytest.mark.slow
+def test_torchrun_weights_reach_two_actors(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 2 actors: learner 0 streams every update into both engines' workers (one
+    process group), both engines load them, and their probes match (a probe that does not is fatal)."""
+    out = str(tmp_path / "run")
+    rc, log = _torchrun(3, toy_model_dir, toy_data_dir, out, "--num_training_steps", "4", timeout=500)
+    assert rc == 0, log[-3000:]
+    assert "1 learner(s), 2 actor(s)" in log
+    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(rows) == 4 and json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 2
+    assert sum(r["sync/probe_checks"] for r in rows) >= 4
+    assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
 
 
 @pytest.mark.slow
