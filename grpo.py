@@ -1324,10 +1324,14 @@ class Actor:
 
     def _take_stats(self) -> dict:
         now = time.perf_counter()
-        # MFU, MBU <= 1: a stretch that beats a measured peak proves the engine's peak is at least its rate
-        elapsed = max(now - self.stats_t, 1e-9)
-        self.peak_flops = max(self.peak_flops, self.stats["flops"] / elapsed)
-        self.peak_bw = max(self.peak_bw, self.stats["bytes"] / elapsed)
+        # MFU, MBU <= 1 with measured peaks: a run whose average rate so far beats one proves the engine's
+        # peak is at least that rate. The run's totals, not this delta's: an engine step's work can land
+        # in a delta shorter than the step. Peaks given by the user (--peak_flops) are kept as given.
+        self.run_totals.update({"flops": self.stats["flops"], "bytes": self.stats["bytes"]})
+        if not self.peak_source.startswith("given"):
+            elapsed = max(now - self.run_t0, 1e-9)
+            self.peak_flops = max(self.peak_flops, self.run_totals["flops"] / elapsed)
+            self.peak_bw = max(self.peak_bw, self.run_totals["bytes"] / elapsed)
         s = dict(self.stats, actor=self.actor_id, elapsed=now - self.stats_t, peak_flops=self.peak_flops, peak_bw=self.peak_bw,
                  peak_source=self.peak_source, max_num_seqs=self.args.max_num_seqs)
         self.stats, self.stats_t = Counter(), now
@@ -1370,6 +1374,7 @@ class Actor:
         # After run_actor_rank pinned this rank: the peaks of the cores the engine really uses
         self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(args.peak_flops, args.peak_memory_bandwidth,
                                                                         self.peak_device)
+        self.run_totals, self.run_t0 = Counter(), time.perf_counter()
         static = args.batching == "static"
         next_update, drain_t0 = None, None
         while not self.stop.is_set():
