@@ -1552,7 +1552,7 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
             send_obj({"error": f"actor rank {rank}: {errors[0]}"}, learner0, groups["data"], 10.0)
         actor.shutdown()
         os._exit(1)
-    outbox.put({"done": rank})
+    outbox.put({"done": rank, "stats": actor._take_stats()})  # what the last groups did not carry (the last loads)
     outbox.put(None)
     threads[1].join(timeout=10.0)
     actor.shutdown()
@@ -1631,6 +1631,21 @@ class Link:
             announce()
             return {}
         return self.sender.send(header["version"], tensors, abort=lambda: self.error, announce=announce)
+
+    def final_stats(self, num_actors: int, timeout_s: float) -> list[dict]:
+        """After close(): the stats deltas of the messages nobody consumed and of each actor's last word
+        (its "done"), waiting at most timeout_s for all of them. An actor that loaded the last updates may
+        have sent no group since."""
+        stats, done, deadline = [], 0, time.time() + timeout_s
+        while done < num_actors and time.time() < deadline:
+            try:
+                msg = self.results.get(timeout=max(0.0, min(1.0, deadline - time.time())))
+            except queue.Empty:
+                continue
+            if "stats" in msg:
+                stats.append(msg["stats"])
+            done += "done" in msg or "error" in msg
+        return stats
 
     def close(self):
         self.closing.set()
@@ -1938,6 +1953,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             def actor_thread():
                 try:
                     local_actor.run()
+                    results.put({"done": 0, "stats": local_actor._take_stats()})
                 except Exception as e:
                     link.error = link.error or f"the actor thread: {e}"
                     results.put({"error": "".join(traceback.format_exception(e))})
@@ -2222,10 +2238,11 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             final = evaluate()
             eval_history.append((args.num_training_steps, final["eval/pass@1"]))
             logger.log(args.num_training_steps, final, kind="eval")
-        write_summary(args, totals, eval_history, run_t0, local_actor)
         dispatcher.stop.set()
         dispatcher.join(timeout=10)
         link.close()
+        add_final_loads(totals, pending_stats + link.final_stats(num_actors, timeout_s=30.0))
+        write_summary(args, totals, eval_history, run_t0, local_actor)
         pool.close()
         logger.close()
         if local_actor is not None:
@@ -2373,6 +2390,16 @@ def add_actor_totals(totals: Counter, metrics: dict) -> None:
     for k, k2 in (("perf/peak_source", "peak_source"), ("perf/peak_flops", "peak_flops"), ("perf/peak_memory_bandwidth", "peak_bw")):
         if k in metrics:
             totals[k2] = metrics[k]
+
+
+def add_final_loads(totals: Counter, stats_list: list[dict]) -> None:
+    """The weight loads that no consumed group reported (the last updates), for the summary's
+    engines_loaded and mean_weight_load_s."""
+    for st in stats_list:
+        if st.get("weight_loads"):
+            totals[f"weight_loaded/{st['actor']}"] = 1
+            totals["actor_weight_loads"] += st["weight_loads"]
+            totals["actor_weight_apply_s"] += st.get("weight_apply_s", 0.0)
 
 
 def generated_tokens_per_s(totals: Counter) -> float:
