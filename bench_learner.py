@@ -37,7 +37,8 @@ class Args:
     intermediate_size: int = field(default=11008, metadata={"help": "Olmo 3 7B: 11008"})
     num_heads: int = field(default=32, metadata={"help": "attention (and key/value) heads; Olmo 3 7B: 32"})
     vocab_size: int = field(default=100278, metadata={"help": "Olmo 3's tokenizer: 100,278"})
-    tokens: int = field(default=35840, metadata={"help": "tokens in the packed row (Olmo 3 7B think RL: 2,048 + 32,768)"})
+    tokens: int = field(default=35840,
+                        metadata={"help": "tokens in the packed row (Olmo 3 7B think RL: 2,048 + 32,768)"})
     samples_per_row: int = field(default=8, metadata={"help": "samples packed into the row (separate segments)"})
     logprob_chunk_size: int = field(default=1024, metadata={"help": "grpo.py's --logprob_chunk_size"})
     gradient_checkpointing: bool = field(default=True, metadata={"help": "grpo.py's --gradient_checkpointing"})

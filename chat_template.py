@@ -173,7 +173,8 @@ _TEMPLATE_LINES = [
     "{%- elif message['role'] == 'user' -%}",
     "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}",
     "{%- elif message['role'] == 'assistant' -%}",
-    "{%- set has_function_calls = message.get('function_calls', none) is not none and (message['function_calls'] | length) > 0 -%}",
+    ("{%- set has_function_calls = message.get('function_calls', none) is not none"
+     " and (message['function_calls'] | length) > 0 -%}"),
     "{%- set has_tool_calls = message.get('tool_calls', none) is not none and (message['tool_calls'] | length) > 0 -%}",
     "{{- '<|im_start|>assistant\\n' -}}",
     # Seed 002: the block starts after the header and before any generated <think>; it covers
@@ -188,7 +189,8 @@ _TEMPLATE_LINES = [
     "{%- elif has_tool_calls -%}",
     "{{- '<function_calls>' -}}",
     "{%- for tool_call in message['tool_calls'] -%}",
-    "{%- set call = tool_call['function'] if (tool_call is mapping and tool_call.get('function', none) is mapping) else tool_call -%}",
+    ("{%- set call = tool_call['function'] if (tool_call is mapping and tool_call.get('function', none) is mapping)"
+     " else tool_call -%}"),
     "{%- if call is mapping and call.get('name', none) is not none -%}",
     "{%- set args = call.get('arguments', none) -%}",
     "{%- if args is mapping -%}",
@@ -282,7 +284,8 @@ def get_template(name_or_path: str) -> str:
         jinja, config = _dir_templates(name_or_path)
         if jinja is not None or config:
             return jinja if jinja is not None else config
-    raise ValueError(f"unknown template {name_or_path!r}: not one of {sorted(TEMPLATES)}, a .jinja file or a tokenizer dir")
+    raise ValueError(f"unknown template {name_or_path!r}: not one of {sorted(TEMPLATES)}, "
+                     "a .jinja file or a tokenizer dir")
 
 
 def has_generation_blocks(template: str) -> bool:
@@ -700,7 +703,8 @@ def load_mixture(mixer_list: list[str], split: str | list[str] = "train", seed: 
         shuffled = ds.shuffle(seed=seed)
         full, rest = divmod(n, len(ds)) if len(ds) else (0, 0)
         pieces = [shuffled] * full + ([shuffled.select(range(rest))] if rest else [])
-        ds = datasets.concatenate_datasets(pieces) if len(pieces) > 1 else (pieces[0] if pieces else shuffled.select([]))
+        ds = (datasets.concatenate_datasets(pieces) if len(pieces) > 1
+              else (pieces[0] if pieces else shuffled.select([])))
         if "source" in ds.column_names:
             ds = ds.remove_columns("source")
         parts.append(ds.add_column("source", [name] * len(ds)))
@@ -731,7 +735,8 @@ def default_cache_dir() -> str:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of what decides token ids: the backend tokenizer (vocab, merges, added tokens, pre-tokenizer) and special tokens."""
+    """Hash of what decides token ids: the backend tokenizer (vocab, merges, added tokens, pre-tokenizer)
+    and special tokens."""
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
@@ -739,7 +744,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps(_special_tokens(tokenizer), sort_keys=True, default=str).encode())
-    h.update(json.dumps(sorted((i, str(t)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())).encode())
+    h.update(json.dumps(sorted((i, str(t))
+                               for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items())).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
     return h.hexdigest()
 
@@ -820,7 +826,8 @@ def _tokenize_dataset(dataset, tokenizer, kind, row_fn, settings, columns, cache
         results = [fn(row) for row in dataset]
         reasons, warning_strings = [r["_drop"] for r in results], [r["_warnings"] for r in results]
         kept_rows = [{c: r[c] for c in columns} for r in results if not r["_drop"]]
-        kept = datasets.Dataset.from_list(kept_rows) if kept_rows else datasets.Dataset.from_dict({c: [] for c in columns})
+        kept = (datasets.Dataset.from_list(kept_rows) if kept_rows
+                else datasets.Dataset.from_dict({c: [] for c in columns}))
     drops = collections.Counter(r for r in reasons if r)
     warnings = collections.Counter()
     for w in warning_strings:
@@ -870,7 +877,8 @@ def tokenize_sft(dataset, tokenizer, max_length, over_length_strategy="drop", ch
         return tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template,
                                  max_length=max_length, over_length_strategy=over_length_strategy, warnings=warnings)
 
-    settings = {"max_length": max_length, "over_length_strategy": over_length_strategy, "chat_template_source": template}
+    settings = {"max_length": max_length, "over_length_strategy": over_length_strategy,
+                "chat_template_source": template}
     return _tokenize_dataset(dataset, tokenizer, "sft", row_fn, settings, ["input_ids", "labels"], cache_dir, num_proc)
 
 
@@ -900,7 +908,8 @@ def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="dr
             out[f"{key}_input_ids"], out[f"{key}_labels"] = t["input_ids"], t["labels"]
         return out
 
-    settings = {"max_length": max_length, "over_length_strategy": over_length_strategy, "chat_template_source": template}
+    settings = {"max_length": max_length, "over_length_strategy": over_length_strategy,
+                "chat_template_source": template}
     columns = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     return _tokenize_dataset(dataset, tokenizer, "preference", row_fn, settings, columns, cache_dir, num_proc)
 
@@ -1258,7 +1267,8 @@ def export_template(template_name: str, tokenizer_dir: str, out_dir: str) -> str
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, os.path.join(out_dir, name))
-    stale = os.path.join(out_dir, "chat_template.json")  # an older processor-style file would shadow nothing, but confuse
+    # an older processor-style file would shadow nothing, but confuse
+    stale = os.path.join(out_dir, "chat_template.json")
     if os.path.isfile(stale):
         os.remove(stale)
     jinja, in_config = _dir_templates(out_dir)
@@ -1305,7 +1315,8 @@ def _tokenizer_facts(path: str) -> dict:
     tok_json_path = os.path.join(path, "tokenizer.json")
     tok_json = _read_json(tok_json_path, "tokenizer.json") if os.path.isfile(tok_json_path) else {}
     tokenizer = _load_tokenizer(path)
-    added = sorted((int(i), str(t), bool(getattr(t, "special", False))) for i, t in tokenizer.added_tokens_decoder.items())
+    added = sorted((int(i), str(t), bool(getattr(t, "special", False)))
+                   for i, t in tokenizer.added_tokens_decoder.items())
     return {
         "path": path, "config": config, "jinja": jinja, "config_template": in_config,
         "template": jinja if jinja is not None else in_config, "tokenizer": tokenizer,
@@ -1348,9 +1359,11 @@ def diff_tokenizers(dir_a: str, dir_b: str, conversations: dict | None = None, o
                 out.write(f"    {line}\n")
             differs.append(f"template_files_{label}")
         else:
-            where = [n for n, t in (("chat_template.jinja", f["jinja"]), ("tokenizer_config.json", f["config_template"]))
+            where = [n for n, t in (("chat_template.jinja", f["jinja"]),
+                                    ("tokenizer_config.json", f["config_template"]))
                      if t is not None]
-            out.write(f"{label} {f['path']}: {'in sync' if len(where) == 2 else ('only ' + where[0]) if where else 'no template'}\n")
+            out.write(f"{label} {f['path']}: "
+                      f"{'in sync' if len(where) == 2 else ('only ' + where[0]) if where else 'no template'}\n")
 
     section("effective chat template")
     if a["template"] == b["template"]:
@@ -1438,7 +1451,8 @@ def main(argv=None) -> int:
     p.add_argument("--template", required=True)
     p.add_argument("--tokenizer", required=True, help="tokenizer directory")
     p.add_argument("--messages", required=True)
-    p.add_argument("--only-last-turn", action="store_true", help="label the final assistant turn only (preference data)")
+    p.add_argument("--only-last-turn", action="store_true",
+                   help="label the final assistant turn only (preference data)")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p = sub.add_parser("export", help="write a tokenizer directory with the template in both files")
     p.add_argument("name", help="template name, .jinja file or tokenizer directory")
@@ -1447,7 +1461,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("diff", help="compare two tokenizer directories (exit 0 same, 1 different, 2 bad input)")
     p.add_argument("a")
     p.add_argument("b")
-    p.add_argument("--messages", default=None, help="JSON file with a conversation to render (default: built-in examples)")
+    p.add_argument("--messages", default=None,
+                   help="JSON file with a conversation to render (default: built-in examples)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

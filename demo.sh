@@ -3,6 +3,7 @@
 #
 #   make demo                      # installs .venv on first use, then runs this script
 #   DEMO_DIR=out bash demo.sh      # same, with the venv's python on PATH or PYTHON=.venv/bin/python
+#   DEMO_SEED=1 make demo          # another seed for the three training stages (README: spread over seeds)
 #
 # Each stage starts from the previous stage's output, exactly as in the report (sec 4: the final RL
 # run starts from the DPO checkpoint):
@@ -28,6 +29,9 @@ OUT=${DEMO_DIR:-demo_output}
 SHORT=${DEMO_SHORT:-0}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-disabled} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# vLLM logs each weight update at INFO (scheduler pause/resume, reload time): WARNING unless asked
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+SEED=${DEMO_SEED:-0}  # the training stages' seed (data order, RL sampling); toy.py's model and data stay fixed
 # Threads. The single-process stages (SFT, DPO, evaluation) use SOLO_THREADS intra-op threads
 # (default: the core count, at most 4; on two idle cores 2 threads made an SFT step 1.75x faster).
 # The RL stage runs two processes (learner, actor) with one thread each: on two cores, two threads
@@ -54,13 +58,13 @@ $PY toy.py data "$OUT/data" "${DATA_ARGS[@]}"
 stage "2/5 SFT (sft.py)"
 solo $PY sft.py --model_name_or_path "$OUT/base" --dataset_mixer_list "$OUT/data/sft.jsonl" 1.0 \
     --output_dir "$OUT/sft" --overwrite_output_dir --learning_rate 3e-3 --per_device_train_batch_size 32 \
-    --gradient_accumulation_steps 1 --warmup_ratio 0.05 --max_seq_length 256 --save_steps 0 --seed 0 \
+    --gradient_accumulation_steps 1 --warmup_ratio 0.05 --max_seq_length 256 --save_steps 0 --seed "$SEED" \
     "${SFT_ARGS[@]}"
 
 stage "3/5 DPO (dpo.py)"
 solo $PY dpo.py --model_name_or_path "$OUT/sft" --dataset_mixer_list "$OUT/data/preference.jsonl" 1.0 \
     --output_dir "$OUT/dpo" --overwrite_output_dir --learning_rate 1e-5 --per_device_train_batch_size 16 \
-    --gradient_accumulation_steps 1 --max_seq_length 256 --save_steps 0 --seed 0 \
+    --gradient_accumulation_steps 1 --max_seq_length 256 --save_steps 0 --seed "$SEED" \
     "${DPO_ARGS[@]}"
 
 stage "4/5 RL (grpo.py: 1 learner rank + 1 vLLM actor rank)"
@@ -68,7 +72,7 @@ $PY -m torch.distributed.run --nproc-per-node 2 grpo.py --num_learners 1 \
     --model_name_or_path "$OUT/dpo" --output_dir "$OUT/rl" --overwrite_output_dir \
     --dataset_mixer_list "$OUT/data/rlvr.jsonl" 1.0 --eval_dataset_mixer_list "$OUT/data/eval.jsonl" 1.0 \
     --learning_rate 1e-4 --lr_scheduler_type linear --num_unique_prompts_per_step 8 --num_samples_per_prompt 8 \
-    --max_response_length 64 --max_prompt_length 128 --max_num_seqs 32 --enforce_eager --seed 0 \
+    --max_response_length 64 --max_prompt_length 128 --max_num_seqs 32 --enforce_eager --seed "$SEED" \
     "${RL_ARGS[@]}"
 
 stage "5/5 evaluation on the held-out split"

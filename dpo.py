@@ -106,8 +106,10 @@ AVERAGE_LOGPS = {"dpo": False, "dpo_norm": True, "simpo": True, "ipo": False}
 @dataclass
 class Args:
     # --- run and logging ---
-    output_dir: str = field(default="output/dpo", metadata={"help": "final model, metrics.jsonl and checkpoints/ go here"})
-    seed: int = field(default=42, metadata={"help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
+    output_dir: str = field(default="output/dpo", metadata={
+        "help": "final model, metrics.jsonl and checkpoints/ go here"})
+    seed: int = field(default=42, metadata={
+        "help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
     report_to: str = field(default="none", metadata={
         "help": "none | wandb (wandb's own mode: online when logged in, else offline; WANDB_MODE overrides)"})
     wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
@@ -115,9 +117,11 @@ class Args:
     wandb_entity: str = field(default=None, metadata={"help": "wandb team or user (default: your wandb default)"})
     run_name: str = field(default=None, metadata={"aliases": ["--exp_name"],
                                                   "help": "wandb run name (default: wandb's)"})
-    logging_steps: int = field(default=1, metadata={"help": "log a line and a metrics dict every N optimizer steps"})
-    save_steps: int = field(default=500, metadata={"aliases": ["--checkpointing_steps"],
-                                                   "help": "write a resumable checkpoint every N optimizer steps (0: never)"})
+    logging_steps: int = field(default=10, metadata={"help": "print a metrics line every N optimizer steps (the "
+                               "progress bar runs in between); metrics.jsonl and wandb get every step"})
+    save_steps: int = field(default=500, metadata={
+        "aliases": ["--checkpointing_steps"],
+        "help": "write a resumable checkpoint every N optimizer steps (0: never)"})
     eval_steps: int = field(default=0, metadata={
         "help": "held-out preference eval every N steps (0: only before training and at the end)"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest (same args)"})
@@ -126,23 +130,29 @@ class Args:
     keep_last_n_checkpoints: int = field(default=2, metadata={
         "help": "keep the newest N checkpoints (0: all); the one a --resume started from is never deleted"})
     # --- model and data ---
-    model_name_or_path: str = field(default=None, metadata={"help": "HF model directory or hub id (offline: a local dir); usually the SFT model"})
+    model_name_or_path: str = field(default=None, metadata={
+        "help": "HF model directory or hub id (offline: a local dir); usually the SFT model"})
     dataset_mixer_list: list[str] = field(default_factory=list, metadata={
-        "help": "source / amount pairs of preference data (`chosen` / `rejected` message lists): `a.jsonl 1.0 org/b 500`"})
+        "help": "source / amount pairs of preference data (`chosen` / `rejected` message lists): "
+                "`a.jsonl 1.0 org/b 500`"})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
         "help": "split of each Hub source: one for all or one per source (Olmo 3: train)"})
     eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={
-        "aliases": ["--dataset_mixer_eval_list"], "help": "held-out preference pairs, same format; or use --eval_split_fraction"})
+        "aliases": ["--dataset_mixer_eval_list"],
+        "help": "held-out preference pairs, same format; or use --eval_split_fraction"})
     eval_dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
-        "aliases": ["--dataset_mixer_eval_list_splits"], "help": "split of each held-out Hub source (one, or one per source)"})
+        "aliases": ["--dataset_mixer_eval_list_splits"],
+        "help": "split of each held-out Hub source (one, or one per source)"})
     eval_split_fraction: float = field(default=0.0, metadata={
         "help": "hold out this fraction of the training pairs for eval/accuracy (when no eval mixer list is given)"})
     chat_template: str = field(default=None, metadata={
         "aliases": ["--chat_template_name"],
         "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
-    max_seq_length: int = field(default=16384, metadata={"help": "max tokens per chosen / rejected conversation (Olmo 3 7B DPO: 16384)"})
-    over_length_strategy: str = field(default="drop", metadata={"help": "what to do with longer conversations (see chat_template.py)"})
+    max_seq_length: int = field(
+        default=16384, metadata={"help": "max tokens per chosen / rejected conversation (Olmo 3 7B DPO: 16384)"})
+    over_length_strategy: str = field(default="drop", metadata={
+        "help": "what to do with longer conversations (see chat_template.py)"})
     # --- algorithm (defaults: Olmo 3 7B Instruct DPO, open-instruct scripts/train/olmo3/7b_instruct_dpo.sh) ---
     loss_type: str = field(default="dpo_norm", metadata={
         "aliases": ["--dpo_loss_type"], "help": "dpo | dpo_norm | simpo | ipo (Olmo 3 / Tulu 3: dpo_norm)"})
@@ -150,32 +160,40 @@ class Args:
         "aliases": ["--dpo_beta"],
         "help": "loss temperature; default per loss: dpo 0.1, dpo_norm 5 (Olmo 3), simpo 2.0, ipo 0.1"})
     rpo_alpha: float = field(default=0.0, metadata={
-        "help": "weight of the chosen answer's per-token NLL added to the loss (RPO, Pang et al. 2024; 0: off, Olmo 3)"})
-    gamma_beta_ratio: float = field(default=0.5, metadata={"help": "SimPO target margin gamma / beta (SimPO paper: 0.5)"})
+        "help": "weight of the chosen answer's per-token NLL added to the loss "
+                "(RPO, Pang et al. 2024; 0: off, Olmo 3)"})
+    gamma_beta_ratio: float = field(default=0.5, metadata={
+        "help": "SimPO target margin gamma / beta (SimPO paper: 0.5)"})
     label_smoothing: float = field(default=0.0, metadata={
         "help": "conservative DPO: assumed probability that a pair's label is flipped (dpo, dpo_norm, simpo)"})
     num_train_epochs: int = field(default=1, metadata={"help": "passes over the data (Olmo 3: 1)"})
     max_steps: int = field(default=-1, metadata={"aliases": ["--max_train_steps"],
                                                  "help": "optimizer steps; overrides num_train_epochs when > 0"})
     learning_rate: float = field(default=1e-6, metadata={"help": "peak AdamW learning rate (Olmo 3 7B Instruct: 1e-6)"})
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "linear | cosine decay to 0 after warmup (Olmo 3: linear)"})
+    lr_scheduler_type: str = field(default="linear", metadata={
+        "help": "linear | cosine decay to 0 after warmup (Olmo 3: linear)"})
     warmup_ratio: float = field(default=0.1, metadata={"help": "fraction of steps with linear warmup (Olmo 3: 0.1)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices; never on norms (Olmo 3: 0)"})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW weight decay on matrices; never on norms (Olmo 3: 0)"})
     max_grad_norm: float = field(default=-1.0, metadata={
-        "aliases": ["--clip_grad_norm"], "help": "clip the global gradient norm (<= 0: no clipping, still logged; open-instruct DPO: -1)"})
-    per_device_train_batch_size: int = field(default=1, metadata={"help": "pairs per micro-batch per rank (each pair is 2 rows)"})
+        "aliases": ["--clip_grad_norm"],
+        "help": "clip the global gradient norm (<= 0: no clipping, still logged; open-instruct DPO: -1)"})
+    per_device_train_batch_size: int = field(default=1, metadata={
+        "help": "pairs per micro-batch per rank (each pair is 2 rows)"})
     gradient_accumulation_steps: int = field(default=16, metadata={
         "help": "micro-batches per optimizer step (Olmo 3: 1 x 4 x 32 GPUs = 128 pairs)"})
     use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (peft) instead of all weights"})
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank (open-instruct: 64)"})
-    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha; the update is scaled by alpha / rank (open-instruct: 16)"})
+    lora_alpha: float = field(default=16, metadata={
+        "help": "LoRA alpha; the update is scaled by alpha / rank (open-instruct: 16)"})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
         "help": "module names to adapt, or `all-linear` (every linear layer except the LM head)"})
     merge_lora: bool = field(default=False, metadata={"help": "also save base + adapter merged, in output_dir/merged"})
     # --- reference cache ---
     reference_cache_dir: str = field(default=None, metadata={
         "help": "where reference logprobs are cached (default: reference_cache/ next to output_dir)"})
-    cache_reference_only: bool = field(default=False, metadata={"help": "compute (or find) the reference logprobs, then exit"})
+    cache_reference_only: bool = field(default=False, metadata={
+        "help": "compute (or find) the reference logprobs, then exit"})
     # --- system ---
     use_fsdp: bool = field(default=False, metadata={
         "help": "FSDP2: shard each decoder layer, then the root (automatic on GPU when weights + Adam do not fit)"})
@@ -237,7 +255,8 @@ def collate_pairs(indices: list[int], pairs: list[dict], pad_id: int) -> dict:
     one forward pass scores both (what open-instruct calls the concatenated forward).
     `targets[t]` is the label of token t + 1 (-100: not trained), so logits[t] scores targets[t].
     """
-    seqs = [(pairs[i][f"{side}_input_ids"], pairs[i][f"{side}_labels"]) for side in ("chosen", "rejected") for i in indices]
+    seqs = [(pairs[i][f"{side}_input_ids"], pairs[i][f"{side}_labels"])
+            for side in ("chosen", "rejected") for i in indices]
     width = max(len(ids) for ids, _ in seqs)
     input_ids = [ids + [pad_id] * (width - len(ids)) for ids, _ in seqs]
     targets = [labels[1:] + [-100] * (width - len(labels) + 1) for _, labels in seqs]
@@ -418,7 +437,8 @@ def device_memory_bytes(device, local_world_size: int) -> int:
 def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
     """The plan as one line; stops the run before anything loads when it cannot fit the device."""
     gib = 2 ** 30
-    line = ", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items()) + f" GiB per rank; {available / gib:.1f} GiB available"
+    line = (", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items())
+            + f" GiB per rank; {available / gib:.1f} GiB available")
     if plan["total"] > available:
         raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
     return f"memory plan: {line}"
@@ -550,7 +570,8 @@ def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs never count."""
+    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs
+    never count."""
     root = os.path.join(output_dir, "checkpoints")
     pointer = os.path.join(root, "latest")
     if os.path.isfile(pointer):
@@ -701,7 +722,8 @@ def main():
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         batches += [(epoch, order[i:i + global_pairs]) for i in range(0, len(order) - global_pairs + 1, global_pairs)]
         epoch += 1
-        if (args.max_steps > 0 and len(batches) >= args.max_steps) or (args.max_steps <= 0 and epoch >= args.num_train_epochs):
+        if ((args.max_steps > 0 and len(batches) >= args.max_steps)
+            or (args.max_steps <= 0 and epoch >= args.num_train_epochs)):
             break
     total_steps = args.max_steps if args.max_steps > 0 else len(batches)
     batches = batches[:total_steps]
@@ -758,7 +780,8 @@ def main():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device.type, (world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
         base = model.get_base_model() if args.use_lora else model
         layer_names = set(base._no_split_modules or [])  # the decoder layer class, e.g. Olmo3DecoderLayer
         for module in model.modules():
@@ -787,7 +810,8 @@ def main():
     # ALGORITHM: the reference is the model training starts from (for LoRA: the adapter switched
     # off). Its logprobs depend only on model, data, template, reduction and precision, so they are
     # computed once, stored under a hash of those, and no reference model is kept for training.
-    cache_dir = args.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(args.output_dir)), "reference_cache")
+    cache_dir = args.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(args.output_dir)),
+                                                         "reference_cache")
     reference_log = {"reference/cache_hit": 1, "reference/computed_pairs": 0, "time/reference_s": 0.0}
     t_ref = time.perf_counter()
     model_key = None
@@ -864,7 +888,8 @@ def main():
     start_step = 0
     if resume_from:
         if not args.use_lora:  # the trained weights, now that the reference pass has used the initial ones
-            weights = AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if is_main else {}
+            weights = (AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if is_main
+                       else {})
             set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
                                                                          broadcast_from_rank0=world_size > 1))
             del weights
@@ -904,7 +929,8 @@ def main():
                        os.path.join(tmp, "training_state.pt"))
         barrier()
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None},
+                   os.path.join(tmp, f"rng_rank{rank}.pt"))
         barrier()
         if is_main:
             publish_checkpoint(root, tmp, name)
@@ -953,19 +979,24 @@ def main():
     wandb_run = None
     if is_main:
         os.makedirs(args.output_dir, exist_ok=True)
-        print(json.dumps({"args": asdict(args), "derived": derived}, indent=1, default=str))
+        with open(os.path.join(args.output_dir, "run_config.json"), "w") as f:  # every argument, for the record
+            json.dump({"args": asdict(args), "derived": derived}, f, indent=1, default=str)
+        print("run: " + " ".join(f"{k}={v}" for k, v in derived.items()) + f" (all arguments: {f.name})", flush=True)
         if args.report_to == "wandb":
             import wandb
             # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
-            mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+            mode = (None if os.environ.get("WANDB_MODE")
+                    else "online" if wandb.login(prompt=False, verify=False) else "offline")
             wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
                                    dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main else None
+    metrics_file = (open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main
+                    else None)
 
-    def log(metrics: dict) -> None:
-        """One line on stdout, one JSON line in metrics.jsonl, one wandb row (rank 0 only)."""
+    def log(metrics: dict, echo: bool = True) -> None:
+        """One JSON line in metrics.jsonl, one wandb row and (echo) one line on stdout (rank 0 only)."""
         if is_main:
-            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+            if echo:
+                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
             if wandb_run is not None:
@@ -987,10 +1018,11 @@ def main():
         t0 = time.perf_counter()
         # batch: this rank's micro-batches of global batch `step`
         batch_epoch, indices = batches[step]
-        micro = [collate_pairs(indices[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs], pairs,
-                               pad_id) for k in range(accum)]
+        micro = [collate_pairs(indices[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs],
+                               pairs, pad_id) for k in range(accum)]
         # loss and backward, accumulating; gradients are synchronised on the last micro-batch only
-        stats = torch.zeros(8, dtype=torch.float64, device=device)  # sums: loss, rewards c/r, accuracy, logps c/r; tokens; nll
+        # sums: loss, rewards c/r, accuracy, logps c/r; tokens; nll
+        stats = torch.zeros(8, dtype=torch.float64, device=device)
         for k, mb in enumerate(micro):
             last = k == accum - 1
             if args.use_fsdp:
@@ -1029,15 +1061,17 @@ def main():
         progress.update(1)
         last_step = step + 1 == total_steps
         eval_now = bool(eval_pairs) and (last_step or (args.eval_steps > 0 and (step + 1) % args.eval_steps == 0))
-        if eval_now or last_step or (step + 1) % args.logging_steps == 0:
-            loss, r_chosen, r_rejected, acc, logp_c, logp_r = (stats[:6] / global_pairs).tolist()
-            metrics = {"step": step + 1, "train/loss": loss, "train/rewards/chosen": r_chosen,
-                       "train/rewards/rejected": r_rejected, "train/rewards/margin": r_chosen - r_rejected,
-                       "train/accuracy": acc, "train/logps/chosen": logp_c, "train/logps/rejected": logp_r,
-                       "train/nll": stats[7].item() / global_pairs, "train/lr": lr, "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
-                       "time/step_s": dt, "perf/tokens_per_s": stats[6].item() / dt, "perf/mfu": step_flops / dt / peak_total}
-            progress.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.2f}", lr=f"{lr:.2e}")
-            log({**metrics, **(evaluate() if eval_now else {})})  # eval: the model after step + 1 updates
+        loss, r_chosen, r_rejected, acc, logp_c, logp_r = (stats[:6] / global_pairs).tolist()
+        metrics = {"step": step + 1, "train/loss": loss, "train/rewards/chosen": r_chosen,
+                   "train/rewards/rejected": r_rejected, "train/rewards/margin": r_chosen - r_rejected,
+                   "train/accuracy": acc, "train/logps/chosen": logp_c, "train/logps/rejected": logp_r,
+                   "train/nll": stats[7].item() / global_pairs, "train/lr": lr, "train/grad_norm": float(grad_norm),
+                   "train/epoch": batch_epoch,
+                   "time/step_s": dt, "perf/tokens_per_s": stats[6].item() / dt,
+                   "perf/mfu": step_flops / dt / peak_total}
+        progress.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.2f}", lr=f"{lr:.2e}")
+        echo = eval_now or last_step or (step + 1) % max(1, args.logging_steps) == 0
+        log({**metrics, **(evaluate() if eval_now else {})}, echo)  # eval: the model after step + 1 updates
     progress.close()
 
     # ---- save -----------------------------------------------------------------------------------

@@ -119,20 +119,27 @@ class Args:
         "help": "'wandb' or 'none'. wandb's own mode: online when logged in, else offline; WANDB_MODE overrides."})
     wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
                                                                     "help": "wandb project name."})
-    wandb_entity: str | None = field(default=None, metadata={"help": "wandb team or user (default: your wandb default)."})
+    wandb_entity: str | None = field(default=None, metadata={
+        "help": "wandb team or user (default: your wandb default)."})
     run_name: str = field(default="grpo", metadata={"aliases": ["--exp_name"], "help": "wandb run name."})
     save_steps: int = field(default=0, metadata={
         "aliases": ["--save_freq"], "help": "Checkpoint every N steps (0: only at the end; Olmo 3 7B Think RL: 25)."})
-    resume: bool = field(default=False, metadata={"help": "Resume from the latest checkpoint in output_dir/checkpoints."})
+    resume: bool = field(default=False, metadata={
+        "help": "Resume from the latest checkpoint in output_dir/checkpoints."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start over in an output_dir that holds a previous run (deletes its checkpoints and metrics)."})
     keep_last_n_checkpoints: int = field(default=2, metadata={
         "help": "Keep the newest N checkpoints (0: all); the one a --resume started from is never deleted."})
-    eval_every: int = field(default=10, metadata={"aliases": ["--local_eval_every"], "help": "Evaluate every N steps, before the first and after the last (0: never)."})
-    eval_num_samples: int = field(default=4, metadata={"help": "k: samples per eval prompt, for pass@1 (mean) and pass@k."})
+    eval_every: int = field(default=10, metadata={
+        "aliases": ["--local_eval_every"],
+        "help": "Evaluate every N steps, before the first and after the last (0: never)."})
+    eval_num_samples: int = field(default=4, metadata={
+        "help": "k: samples per eval prompt, for pass@1 (mean) and pass@k."})
     # model and data
-    model_name_or_path: str = field(default="toy_model", metadata={"help": "HF model directory or hub name (the SFT or DPO checkpoint)."})
-    dataset_mixer_list: list[str] = field(default_factory=lambda: ["toy_data/rlvr.jsonl", "1.0"], metadata={"help": "RLVR sources and fractions/counts: `a.jsonl 1.0 org/b 500`. Rows: messages, ground_truth, verifier."})
+    model_name_or_path: str = field(default="toy_model", metadata={
+        "help": "HF model directory or hub name (the SFT or DPO checkpoint)."})
+    dataset_mixer_list: list[str] = field(default_factory=lambda: ["toy_data/rlvr.jsonl", "1.0"], metadata={
+        "help": "RLVR sources and fractions/counts: `a.jsonl 1.0 org/b 500`. Rows: messages, ground_truth, verifier."})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
         "help": "Split of each Hub source: one for all or one per source (Olmo 3: train)."})
     eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={
@@ -148,32 +155,55 @@ class Args:
         "help": "Generation stops here; such samples are marked truncated (Olmo 3 Think: 32768)."})
     # algorithm (Olmo 3 / open-instruct grpo_fast defaults)
     num_training_steps: int = field(default=1000, metadata={"help": "Learner steps."})
-    num_unique_prompts_per_step: int = field(default=64, metadata={"aliases": ["--num_unique_prompts_rollout"], "help": "Groups with non-zero reward std per step, exactly (active sampling)."})
-    num_samples_per_prompt: int = field(default=8, metadata={"aliases": ["--num_samples_per_prompt_rollout"], "help": "Group size: completions per prompt (Olmo 3: 8)."})
+    num_unique_prompts_per_step: int = field(default=64, metadata={
+        "aliases": ["--num_unique_prompts_rollout"],
+        "help": "Groups with non-zero reward std per step, exactly (active sampling)."})
+    num_samples_per_prompt: int = field(default=8, metadata={
+        "aliases": ["--num_samples_per_prompt_rollout"], "help": "Group size: completions per prompt (Olmo 3: 8)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (Olmo 3: 1.0)."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4 with --lr_scheduler_type linear; 3e-4 degrades it)."})
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "'constant' or 'linear' decay to 0 (Olmo 3: constant)."})
+    learning_rate: float = field(default=1e-6, metadata={
+        "help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4 with --lr_scheduler_type linear; 3e-4 degrades it)."})
+    lr_scheduler_type: str = field(default="constant", metadata={
+        "help": "'constant' or 'linear' decay to 0 (Olmo 3: constant)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"aliases": ["--clip_grad_norm"], "help": "Gradient clipping."})
-    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per learner step (the batch split in this many)."})
+    num_mini_batches: int = field(default=1, metadata={
+        "help": "Optimizer steps per learner step (the batch split in this many)."})
     num_epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
-    clip_low: float = field(default=0.2, metadata={"aliases": ["--clip_lower"], "help": "PPO clip epsilon below 1 (Olmo 3: 0.2)."})
-    clip_high: float = field(default=0.272, metadata={"aliases": ["--clip_higher"], "help": "Clip-higher epsilon above 1 (DAPO; Olmo 3 code: 0.272)."})
-    tis_cap: float = field(default=2.0, metadata={"aliases": ["--truncated_importance_sampling_ratio_cap"], "help": "Truncated importance sampling cap on exp(learner - vLLM logprob) (0: off)."})
+    clip_low: float = field(default=0.2, metadata={
+        "aliases": ["--clip_lower"], "help": "PPO clip epsilon below 1 (Olmo 3: 0.2)."})
+    clip_high: float = field(default=0.272, metadata={
+        "aliases": ["--clip_higher"], "help": "Clip-higher epsilon above 1 (DAPO; Olmo 3 code: 0.272)."})
+    tis_cap: float = field(default=2.0, metadata={
+        "aliases": ["--truncated_importance_sampling_ratio_cap"],
+        "help": "Truncated importance sampling cap on exp(learner - vLLM logprob) (0: off)."})
     beta: float = field(default=0.0, metadata={"help": "KL-to-reference coefficient, k3 estimator (Olmo 3 RLVR: 0)."})
-    advantage_normalization: str = field(default="centered", metadata={"aliases": ["--advantage_normalization_type"], "help": "'centered' (reward - group mean, Olmo 3) or 'standard' (/ group std)."})
-    async_steps: int = field(default=1, metadata={"help": "Off-policy bound K, at admission: a prompt starts only on weights at most K versions older than the step that trains on it (Olmo 3 7B think RL: 8)."})
-    max_token_lag: int = field(default=0, metadata={"help": "Also drop a group, at consumption, with any token more than this many versions old (0: never; such drops select against long answers)."})
-    max_prompts_per_step_factor: int = field(default=20, metadata={"help": "Active sampling gives up (logged) after this many x num_unique_prompts_per_step prompts in one step."})
+    advantage_normalization: str = field(default="centered", metadata={
+        "aliases": ["--advantage_normalization_type"],
+        "help": "'centered' (reward - group mean, Olmo 3) or 'standard' (/ group std)."})
+    async_steps: int = field(default=1, metadata={
+        "help": "Off-policy bound K, at admission: a prompt starts only on weights at most K versions older than "
+                "the step that trains on it (Olmo 3 7B think RL: 8)."})
+    max_token_lag: int = field(default=0, metadata={
+        "help": "Also drop a group, at consumption, with any token more than this many versions old (0: never; such "
+                "drops select against long answers)."})
+    max_prompts_per_step_factor: int = field(default=20, metadata={
+        "help": "Active sampling gives up (logged) after this many x num_unique_prompts_per_step prompts in one step."})
     # system
-    num_learners: int = field(default=1, metadata={"help": "torchrun ranks [0, num_learners) learn; the rest are actors. Ignored with one process."})
-    batching: str = field(default="continuous", metadata={"help": "'continuous' (keep the engine full) or 'static' (one generate-style batch at a time; ablation)."})
-    inflight_updates: bool = field(default=True, metadata={"help": "Load new weights between two engine steps without draining (off: drain, then load them; learner "
+    num_learners: int = field(default=1, metadata={
+        "help": "torchrun ranks [0, num_learners) learn; the rest are actors. Ignored with one process."})
+    batching: str = field(default="continuous", metadata={
+        "help": "'continuous' (keep the engine full) or 'static' (one generate-style batch at a time; ablation)."})
+    inflight_updates: bool = field(default=True, metadata={
+        "help": "Load new weights between two engine steps without draining (off: drain, then load them; learner "
                 "0's weight stream waits for the drain, at most about one update ahead)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
-    vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
-    enforce_eager: bool = field(default=False, metadata={"aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
-    pack_length: int = field(default=0, metadata={"help": "Tokens per packed learner row (0: max_prompt_length + max_response_length)."})
+    vllm_gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
+    enforce_eager: bool = field(default=False, metadata={
+        "aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
+    pack_length: int = field(default=0, metadata={
+        "help": "Tokens per packed learner row (0: max_prompt_length + max_response_length)."})
     forward_tokens: int = field(default=0, metadata={
         "help": "Padded tokens per learner forward pass: packed rows are batched up to this (0: the larger of "
                 "pack_length and 16384). The memory plan counts it."})
@@ -185,23 +215,38 @@ class Args:
     logprob_chunk_size: int = field(default=1024, metadata={
         "help": "Tokens per chunk of the LM head + log-softmax, recomputed in backward: logits memory is "
                 "chunk x vocab, never pack_length x vocab."})
-    cpu_affinity: bool = field(default=True, metadata={"help": "CPU torchrun runs only: give each rank on a node its own share of the cores (actors bind vLLM's threads to theirs). Without it vLLM's engine process busy-polls its worker and starves the learner of a core."})
+    cpu_affinity: bool = field(default=True, metadata={
+        "help": "CPU torchrun runs only: give each rank on a node its own share of the cores (actors bind vLLM's "
+                "threads to theirs). Without it vLLM's engine process busy-polls its worker and starves the learner "
+                "of a core."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={
         "help": "GPUs per vLLM engine (tensor parallel). An actor rank drives one engine of this many GPUs: on a node, "
                 "torchrun --nproc-per-node = its learners + its engines, and it needs learners + engines x this GPUs."})
-    timeout_s: float = field(default=1800.0, metadata={"help": "Longest wait between roles (data, weights) before failing with an error; must exceed the longest learner step (with eval and checkpoint)."})
-    startup_timeout_s: float = field(default=1800.0, metadata={"help": "Longest wait for the actors' engines to start (vLLM compiles; slow on a busy CPU)."})
-    probe_tolerance: float = field(default=0.0, metadata={"help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
+    timeout_s: float = field(default=1800.0, metadata={
+        "help": "Longest wait between roles (data, weights) before failing with an error; must exceed the longest "
+                "learner step (with eval and checkpoint)."})
+    startup_timeout_s: float = field(default=1800.0, metadata={
+        "help": "Longest wait for the actors' engines to start (vLLM compiles; slow on a busy CPU)."})
+    probe_tolerance: float = field(default=0.0, metadata={
+        "help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
     verifier_workers: int = field(default=2, metadata={"help": "Verifier processes."})
-    max_infra_failure_rate: float = field(default=0.25, metadata={"help": "Stop the run when verifier infrastructure failures (lost workers, an unreachable judge) exceed this share of a step's samples for 3 steps in a row."})
+    max_infra_failure_rate: float = field(default=0.25, metadata={
+        "help": "Stop the run when verifier infrastructure failures (lost workers, an unreachable judge) exceed "
+                "this share of a step's samples for 3 steps in a row."})
     verifier_timeout: float = field(default=10.0, metadata={"help": "Seconds per verifier row."})
     allow_unsandboxed_code: bool = field(default=False, metadata={"help": (
         "Run model-written code (code / code_stdio rows) even where no sandbox is available (no user "
         "namespaces): as this user, with its files and network. Off: such rows are refused and counted.")})
-    peak_flops: float = field(default=0.0, metadata={"help": "Peak FLOP/s per engine for MFU (0: datasheet on known GPUs, else measured, best of several reps). Pass the same value to runs you compare."})
-    peak_memory_bandwidth: float = field(default=0.0, metadata={"help": "Peak memory B/s per engine for MBU (0: datasheet / measured, like --peak_flops)."})
-    response_length_sampler: str = field(default="none", metadata={"help": "BENCHMARK ONLY: 'exponential' draws max_tokens per request (capped at max_response_length) and ignores eos."})
-    response_length_mean: int = field(default=0, metadata={"help": "BENCHMARK ONLY: mean of the exponential response length."})
+    peak_flops: float = field(default=0.0, metadata={
+        "help": "Peak FLOP/s per engine for MFU (0: datasheet on known GPUs, else measured, best of several reps). "
+                "Pass the same value to runs you compare."})
+    peak_memory_bandwidth: float = field(default=0.0, metadata={
+        "help": "Peak memory B/s per engine for MBU (0: datasheet / measured, like --peak_flops)."})
+    response_length_sampler: str = field(default="none", metadata={
+        "help": "BENCHMARK ONLY: 'exponential' draws max_tokens per request (capped at max_response_length) and "
+                "ignores eos."})
+    response_length_mean: int = field(default=0, metadata={
+        "help": "BENCHMARK ONLY: mean of the exponential response length."})
 
 
 # Flags of open-instruct's Olmo 3 RL launch scripts (scripts/train/olmo3/7b_*_rl.sh, grpo_fast.py) that this
@@ -220,7 +265,8 @@ UNSUPPORTED_FLAGS = {
     "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
     "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
     "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),
-    "max_token_length": "not needed here: prompts are limited by --max_prompt_length, responses by --max_response_length",
+    "max_token_length": "not needed here: prompts are limited by --max_prompt_length, responses by "
+                        "--max_response_length",
     "non_stop_penalty": ({"false"}, "not supported: a response cut at --max_response_length keeps its verifier "
                                     "reward (Olmo 3: False)"),
     "non_stop_penalty_value": "not supported (see --non_stop_penalty)",
@@ -321,7 +367,8 @@ def engine_step_cost(s: ModelShape, prefill_lens: list[int], decode_contexts: li
     return flops, nbytes
 
 
-def utilization(flops: float, nbytes: float, seconds: float, peak_flops: float, peak_bytes_per_s: float) -> tuple[float, float]:
+def utilization(flops: float, nbytes: float, seconds: float, peak_flops: float,
+                peak_bytes_per_s: float) -> tuple[float, float]:
     """(MFU, MBU): achieved FLOP/s over peak FLOP/s, achieved bytes/s over peak bandwidth."""
     if seconds <= 0:
         return 0.0, 0.0
@@ -374,7 +421,8 @@ def resolve_peaks(peak_flops: float, peak_bw: float, device: str = "cpu") -> tup
     if peak_flops > 0 and peak_bw > 0:
         return peak_flops, peak_bw, "given (--peak_flops, --peak_memory_bandwidth)"
     f, b, src = measure_peaks(device)
-    return (peak_flops if peak_flops > 0 else f), (peak_bw if peak_bw > 0 else b), src + (" (one peak given)" if peak_flops > 0 or peak_bw > 0 else "")
+    return ((peak_flops if peak_flops > 0 else f), (peak_bw if peak_bw > 0 else b),
+            src + (" (one peak given)" if peak_flops > 0 or peak_bw > 0 else ""))
 
 
 def static_waste(lengths: list[int]) -> float:
@@ -528,7 +576,8 @@ def grpo_loss(new_logprobs, old_logprobs, sampling_logprobs, advantages, mask, c
             "clipfrac_sum": ((pg2 > pg1).to(mask.dtype) * mask).sum().item(),
             "approx_kl_sum": (0.5 * log_ratio ** 2 * mask).sum().item(),
             "ref_kl_sum": (kl * mask).sum().item(),
-            "tis_capped_sum": (((old_logprobs - sampling_logprobs).exp() > tis_cap).to(mask.dtype) * mask).sum().item() if tis_cap > 0 else 0.0,
+            "tis_capped_sum": ((((old_logprobs - sampling_logprobs).exp() > tis_cap).to(mask.dtype) * mask).sum().item()
+                               if tis_cap > 0 else 0.0),
             "tokens": m.item(),
         }
     return loss, stats
@@ -808,7 +857,8 @@ def device_memory_bytes(device, local_world_size: int) -> int:
 def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
     """The plan as one line; stops the run before anything loads when it cannot fit the device."""
     gib = 2 ** 30
-    line = ", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items()) + f" GiB per rank; {available / gib:.1f} GiB available"
+    line = (", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items())
+            + f" GiB per rank; {available / gib:.1f} GiB available")
     if plan["total"] > available:
         raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
     return f"memory plan: {line}"
@@ -975,12 +1025,20 @@ def _join_weights_in_worker(worker, info: dict, first_rank: int):
     """Runs inside each vLLM worker (collective_rpc): join learner 0's weight stream as rank first_rank +
     this worker's rank in its engine (its tensor-parallel rank), and start receiving (_receive_buckets)."""
     import datetime as _datetime
+    import logging as _logging
     import queue as _queue
     import threading as _threading
 
     import torch as _torch
     import torch.distributed as _dist
 
+    # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor
+    # and puts its own tensors back. A rotary embedding has none to receive (its cos/sin cache is computed
+    # from the config, not a checkpoint weight), so that warning came at every update and meant nothing.
+    def expected(record) -> bool:
+        return str(record.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(record.args)
+
+    _logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(lambda r: not expected(r))
     # this worker's device, read here: the receiving thread starts on device 0 (CUDA's current device is per thread)
     device = _torch.device("cuda", _torch.cuda.current_device()) if info["backend"] == "nccl" else _torch.device("cpu")
     store = _dist.TCPStore(info["host"], info["port"], is_master=False,
@@ -1112,7 +1170,8 @@ def pin_cpu_cores(local_rank: int, is_actor: bool) -> list[int] | None:
     (pin_process_tree): the engine's start (two processes importing and loading) took 43 s on one
     core against 32 s unpinned, while the learner waits for it anyway."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    mine = split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world) if hasattr(os, "sched_setaffinity") else None
+    mine = (split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world)
+            if hasattr(os, "sched_setaffinity") else None)
     if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
         return None  # too few cores to split, or the user binds vLLM's threads themselves
     if is_actor:  # vLLM's "auto" binding would hold one core back for its scheduler
@@ -1204,8 +1263,10 @@ class Actor:
         saved = {k: os.environ.pop(k) for k in TORCHRUN_VARS if k in os.environ}
         try:  # vLLM starts its own torch.distributed in its engine process: hide torchrun's variables
             kwargs = {} if device == "cpu" else {"gpu_memory_utilization": args.vllm_gpu_memory_utilization}
-            self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id, enforce_eager=args.enforce_eager,
-                           max_model_len=args.max_prompt_length + args.max_response_length, max_num_seqs=args.max_num_seqs,
+            self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id,
+                           enforce_eager=args.enforce_eager,
+                           max_model_len=args.max_prompt_length + args.max_response_length,
+                           max_num_seqs=args.max_num_seqs,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                            tensor_parallel_size=args.vllm_tensor_parallel_size, **kwargs)
         finally:
@@ -1235,7 +1296,8 @@ class Actor:
 
         max_tokens, ignore_eos = self.args.max_response_length, False
         if kind == "train" and self.args.response_length_sampler == "exponential":  # BENCHMARK ONLY
-            max_tokens = max(1, min(self.args.max_response_length, int(self.rng.expovariate(1.0 / self.args.response_length_mean))))
+            max_tokens = max(1, min(self.args.max_response_length,
+                                    int(self.rng.expovariate(1.0 / self.args.response_length_mean))))
             ignore_eos = True
         return SamplingParams(temperature=self.args.temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
                               logprobs=0, output_kind=RequestOutputKind.DELTA)
@@ -1244,10 +1306,12 @@ class Actor:
         from vllm import TokensPrompt
 
         gid = f"{prompt['kind']}-{prompt['index']}"
-        self.groups[gid] = {"meta": prompt, "samples": [None] * prompt["n"], "left": prompt["n"], "t0": time.perf_counter()}
+        self.groups[gid] = {"meta": prompt, "samples": [None] * prompt["n"], "left": prompt["n"],
+                            "t0": time.perf_counter()}
         for j in range(prompt["n"]):
             rid = f"{gid}-{j}"
-            self.pending[rid] = {"group": gid, "j": j, "tokens": [], "logprobs": [], "prompt_len": len(prompt["prompt_ids"])}
+            self.pending[rid] = {"group": gid, "j": j, "tokens": [], "logprobs": [],
+                                 "prompt_len": len(prompt["prompt_ids"])}
             # Salted by policy version: a request reuses only prompt KV computed by the weights it starts on,
             # never an old policy's (the shared template header would otherwise stay cached all run).
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"],
@@ -1273,8 +1337,9 @@ class Actor:
         self.stats["probe_mean_abs_diff"] = max(self.stats["probe_mean_abs_diff"], float(diff.mean()))
         self.stats["probe_max_abs_diff"] = max(self.stats["probe_max_abs_diff"], float(diff.max()))
         if not diff.mean() <= tol:
-            raise RuntimeError(f"actor {self.actor_id}: engine logprobs of the probe differ from the learner's after the "
-                               f"update to version {version}: mean |diff| {diff.mean():.3g} (max {diff.max():.3g}) > {tol:g}. "
+            raise RuntimeError(f"actor {self.actor_id}: engine logprobs of the probe differ from the learner's after "
+                               f"the update to version {version}: mean |diff| {diff.mean():.3g} "
+                               f"(max {diff.max():.3g}) > {tol:g}. "
                                "The engine is serving stale or corrupted weights.")
 
     def _process(self, outs):
@@ -1314,8 +1379,9 @@ class Actor:
         if self.args.batching == "static":
             self.static_lens.append(n)
         g = self.groups[st["group"]]
-        g["samples"][st["j"]] = {"response_ids": st["tokens"], "sampling_logprobs": st["logprobs"], "versions": versions,
-                                 "finish_reason": c.finish_reason, "truncated": c.finish_reason == "length" and n >= self.args.max_response_length}
+        g["samples"][st["j"]] = {"response_ids": st["tokens"], "sampling_logprobs": st["logprobs"],
+                                 "versions": versions, "finish_reason": c.finish_reason,
+                                 "truncated": c.finish_reason == "length" and n >= self.args.max_response_length}
         g["left"] -= 1
         if g["left"] == 0:
             del self.groups[st["group"]]
@@ -1332,8 +1398,8 @@ class Actor:
             elapsed = max(now - self.run_t0, 1e-9)
             self.peak_flops = max(self.peak_flops, self.run_totals["flops"] / elapsed)
             self.peak_bw = max(self.peak_bw, self.run_totals["bytes"] / elapsed)
-        s = dict(self.stats, actor=self.actor_id, elapsed=now - self.stats_t, peak_flops=self.peak_flops, peak_bw=self.peak_bw,
-                 peak_source=self.peak_source, max_num_seqs=self.args.max_num_seqs)
+        s = dict(self.stats, actor=self.actor_id, elapsed=now - self.stats_t, peak_flops=self.peak_flops,
+                 peak_bw=self.peak_bw, peak_source=self.peak_source, max_num_seqs=self.args.max_num_seqs)
         self.stats, self.stats_t = Counter(), now
         return s
 
@@ -1659,8 +1725,9 @@ class Link:
 
 class Dispatcher(threading.Thread):
     """Learner 0's prompt sampler and the actors' prefetch: keeps up to num_unique_prompts_per_step x
-    (async_steps + 1) / (useful fraction of prompts, last step) training prompts in flight (sent, not yet consumed by the learner), spread
-    over the actors, so the engines never wait on the learner for prompts. Each training prompt
+    (async_steps + 1) / (useful fraction of prompts, last step) training prompts in flight (sent, not yet
+    consumed by the learner), spread over the actors, so the engines never wait on the learner for
+    prompts. Each training prompt
     carries `min_version` (admission_version): the actors start it only once their weights are that
     recent, so generation never runs more than async_steps policies ahead of the step that consumes
     it. When active sampling needs more groups than the gate lets through, `consumed(n, need)` sends
@@ -1677,7 +1744,8 @@ class Dispatcher(threading.Thread):
         self.sent = [0] * num_actors
         self.rate, self.rate_counts = 1.0, [0, 0]  # useful fraction of consumed prompts (last step), [useful, consumed]
         self.done = start  # prompts consumed by the learner (sampler positions below this, in total)
-        self.version, self.need = version, args.num_unique_prompts_per_step  # the learner's step, groups it still misses
+        # the learner's step, groups it still misses
+        self.version, self.need = version, args.num_unique_prompts_per_step
         self.release, self.release_sent = -1, -1
 
     def prompt(self, i: int, kind: str, row: dict, n: int, min_version: int | None = None) -> dict:
@@ -1731,7 +1799,8 @@ class Dispatcher(threading.Thread):
                 for _ in range(free):
                     a = self.sent.index(min(self.sent))
                     mv = admission_version(self.position, version, done, need, P, K, rate)
-                    per_actor[a].append(self.prompt(self.position, "train", self.row(self.position), self.args.num_samples_per_prompt, mv))
+                    per_actor[a].append(self.prompt(self.position, "train", self.row(self.position),
+                                                    self.args.num_samples_per_prompt, mv))
                     self.sent[a] += 1
                     self.position += 1
                 with self.cond:
@@ -1777,7 +1846,9 @@ def main():
     cores = None
     if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
         cores = pin_cpu_cores(local_rank, is_actor=not is_learner)
-        print(f"[rank {rank}] pinned to CPU cores {cores}" if cores else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
+        print(f"[rank {rank}] pinned to CPU cores {cores}" if cores
+              else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, "
+                   "or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)
@@ -1820,7 +1891,8 @@ def main():
     try:
         status = learner(args, rank, world_size, num_learners, is_main, device, groups, actor_ranks, latest, model_path)
     except KeyboardInterrupt as e:
-        print(f"[rank {rank}] interrupted ({e}); exiting. The last checkpoint (if any) is intact.", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] interrupted ({e}); exiting. The last checkpoint (if any) is intact.", file=sys.stderr,
+              flush=True)
         status = 130
     except Exception as e:
         traceback.print_exc()
@@ -1874,7 +1946,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     if args.beta > 0:  # the frozen reference: fp32, unsharded, on every learner
         plan["reference"] = plan["weights"] * num_learners
         plan["total"] += plan["reference"]
-    line = check_memory_plan(plan, device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+    line = check_memory_plan(plan,
+                             device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                              "--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, "
                              "--bf16, a smaller --logprob_chunk_size")
     if is_main:
@@ -1896,7 +1969,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh(device.split(":")[0], list(range(num_learners)))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -1905,7 +1979,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     total = args.num_training_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 1.0 if args.lr_scheduler_type == "constant" else max(0.0, 1.0 - s / max(1, total * args.num_mini_batches * args.num_epochs)))
+        optimizer, lambda s: (1.0 if args.lr_scheduler_type == "constant"
+                              else max(0.0, 1.0 - s / max(1, total * args.num_mini_batches * args.num_epochs))))
     start_step, position = 0, 0
     if latest:
         state = torch.load(os.path.join(latest, "training_state.pt"), weights_only=False)
@@ -1922,16 +1997,20 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         check_rlvr_rows(raw, "--dataset_mixer_list")
         train_ds, drops = chat_template.tokenize_rlvr(raw, tokenizer, args.max_prompt_length, args.chat_template)
         if args.eval_dataset_mixer_list:
-            raw_eval = chat_template.load_mixture(args.eval_dataset_mixer_list, split=args.eval_dataset_mixer_list_splits,
-                                                  seed=args.seed)
+            raw_eval = chat_template.load_mixture(args.eval_dataset_mixer_list,
+                                                  split=args.eval_dataset_mixer_list_splits, seed=args.seed)
             check_rlvr_rows(raw_eval, "--eval_dataset_mixer_list")
             eval_ds, _ = chat_template.tokenize_rlvr(raw_eval, tokenizer, args.max_prompt_length, args.chat_template)
         if len(train_ds) == 0:
-            raise ValueError(f"no training prompts left after tokenization (dropped: {dict(drops)}); raise --max_prompt_length?")
-        probe_ids = list(train_ds[0]["prompt_input_ids"]) + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False)
+            raise ValueError(f"no training prompts left after tokenization (dropped: {dict(drops)}); "
+                             "raise --max_prompt_length?")
+        probe_ids = (list(train_ds[0]["prompt_input_ids"])
+                     + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False))
         os.makedirs(args.output_dir, exist_ok=True)
-        print(f"[grpo] {len(train_ds)} train prompts (dropped {dict(drops)}), {len(eval_ds) if eval_ds else 0} eval prompts; "
-              f"{num_learners} learner(s), {max(1, len(actor_ranks))} actor(s){' (colocated thread)' if world_size == 1 else ''}; "
+        print(f"[grpo] {len(train_ds)} train prompts (dropped {dict(drops)}), "
+              f"{len(eval_ds) if eval_ds else 0} eval prompts; "
+              f"{num_learners} learner(s), {max(1, len(actor_ranks))} actor(s)"
+              f"{' (colocated thread)' if world_size == 1 else ''}; "
               f"pack_length {pack_length}; start step {start_step}", flush=True)
 
     # ---------------------------------------------------------------------------------------------
@@ -2126,7 +2205,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
             metrics["time/data_wait"] = time.perf_counter() - t
             rewards = [g["rewards"] for g in batch]
             advantages = compute_advantages(rewards, args.advantage_normalization)
-            rows = [{"prompt_ids": g["prompt_ids"], "response_ids": s["response_ids"], "sampling_logprobs": s["sampling_logprobs"],
+            rows = [{"prompt_ids": g["prompt_ids"], "response_ids": s["response_ids"],
+                     "sampling_logprobs": s["sampling_logprobs"],
                      "advantage": a} for g, adv in zip(batch, advantages) for s, a in zip(g["samples"], adv)]
             rows = [r for r in rows if r["response_ids"]]
             minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
@@ -2149,7 +2229,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         # ---- loss, backward, clip, step: old logprobs first when the batch is reused
         t = time.perf_counter()
         model.train()
-        mbs = [([collate_forward(bins, tokenizer.pad_token_id or 0) for bins in shares[rank]], ntok) for shares, ntok in plan]
+        mbs = [([collate_forward(bins, tokenizer.pad_token_id or 0) for bins in shares[rank]], ntok)
+               for shares, ntok in plan]
         if args.num_mini_batches > 1 or args.num_epochs > 1:
             with torch.no_grad(), autocast:
                 for bins, _ in mbs:
@@ -2202,8 +2283,8 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         save_time = 0.0
         if args.save_steps and (step + 1) % args.save_steps == 0 or step + 1 == args.num_training_steps:
             t = time.perf_counter()
-            save_checkpoint(args, model, tokenizer, optimizer, scheduler, step + 1, dispatcher.position if is_main else 0,
-                            is_main, num_learners, groups, protect=latest)
+            save_checkpoint(args, model, tokenizer, optimizer, scheduler, step + 1,
+                            dispatcher.position if is_main else 0, is_main, num_learners, groups, protect=latest)
             save_time = time.perf_counter() - t
         # ---- log
         if is_main:
@@ -2213,12 +2294,14 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                 "train/clip_fraction": agg["clipfrac_sum"] / n, "train/approx_kl": agg["approx_kl_sum"] / n,
                 "train/ref_kl": agg["ref_kl_sum"] / n, "train/entropy": agg["entropy_sum"] / n,
                 "train/tis_capped_fraction": agg["tis_capped_sum"] / n, "train/grad_norm": float(np.mean(grad_norms)),
-                "train/lr": scheduler.get_last_lr()[0], "train/trained_tokens": int(agg["tokens"]) // max(1, args.num_epochs),
+                "train/lr": scheduler.get_last_lr()[0],
+                "train/trained_tokens": int(agg["tokens"]) // max(1, args.num_epochs),
                 "time/train": train_time, "time/weight_sync": sync_time, "time/step": step_time, "time/save": save_time,
                 **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
                 "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9),
             })
-            totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"], "learner_tokens": learner_tokens,
+            totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
+                           "learner_tokens": learner_tokens,
                            "train_time": train_time, "sync_time": sync_time, "save_time": save_time,
                            **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
             add_actor_totals(totals, metrics)
@@ -2264,12 +2347,15 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
          "rollout/solve_rate": float(np.mean([r >= 1.0 for r in rewards])) if rewards else 0.0,
          "rollout/response_length": float(np.mean(lens)) if lens else 0.0,
          "rollout/response_length_max": max(lens) if lens else 0,
-         "rollout/truncated_fraction": float(np.mean([s["truncated"] for g in batch for s in g["samples"]])) if lens else 0.0,
+         "rollout/truncated_fraction": (float(np.mean([s["truncated"] for g in batch for s in g["samples"]]))
+                                        if lens else 0.0),
          "rollout/groups": len(batch), "rollout/samples": len(rewards),
          "rollout/prompts_consumed": counts["prompts"], "rollout/filtered_all_solved": counts["all_solved"],
-         "rollout/filtered_all_failed": counts["all_failed"], "rollout/filtered_zero_std": counts["zero_std"] + counts["too_few_samples"],
+         "rollout/filtered_all_failed": counts["all_failed"],
+         "rollout/filtered_zero_std": counts["zero_std"] + counts["too_few_samples"],
          "rollout/active_sampling_capped": counts["capped"],
-         "rollout/groups_dropped_stale": counts["groups_dropped_stale"], "rollout/samples_dropped_stale": counts["samples_dropped_stale"],
+         "rollout/groups_dropped_stale": counts["groups_dropped_stale"],
+         "rollout/samples_dropped_stale": counts["samples_dropped_stale"],
          "rollout/verifier_errors": sum(v for k, v in counts.items() if k.startswith("verifier_error/")),
          "rollout/verifier_infra_failures": counts["infra_failures"],
          }
@@ -2308,9 +2394,11 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         per_actor[st["actor"]][0] += st.get("gen_tokens", 0)
         per_actor[st["actor"]][1] += st["elapsed"]
     m.update({"perf/actor_tokens_per_s": sum(t / max(e, 1e-9) for t, e in per_actor.values()),
-              "perf/actor_mfu": s["flops"] / max(s["peak_flops_s"], 1e-9), "perf/actor_mbu": s["bytes"] / max(s["peak_bw_s"], 1e-9),
+              "perf/actor_mfu": s["flops"] / max(s["peak_flops_s"], 1e-9),
+              "perf/actor_mbu": s["bytes"] / max(s["peak_bw_s"], 1e-9),
               "perf/actor_occupancy": s["occupancy_s"] / el, "time/actor_weight_wait": weight_wait,
-              "time/actor_idle": s["idle_s"], "time/actor_drain": s["drain_s"], "time/actor_weight_load": s["weight_load_s"],
+              "time/actor_idle": s["idle_s"], "time/actor_drain": s["drain_s"],
+              "time/actor_weight_load": s["weight_load_s"],
               "sync/probe_checks": s["probe_checks"], "sync/probe_mean_abs_diff": s["probe_mean"],
               "sync/probe_max_abs_diff": s["probe_max"]})
     if stats_list:
@@ -2322,8 +2410,9 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
     m["_per_actor"] = {a: tuple(v) for a, v in per_actor.items()}
-    m.update({"_actor_gen_tokens": s["gen_tokens"], "_actor_flops": s["flops"], "_actor_bytes": s["bytes"], "_actor_elapsed": s["elapsed"],
-              "_actor_peak_flops_s": s["peak_flops_s"], "_actor_peak_bw_s": s["peak_bw_s"], "_actor_occupancy_s": s["occupancy_s"],
+    m.update({"_actor_gen_tokens": s["gen_tokens"], "_actor_flops": s["flops"], "_actor_bytes": s["bytes"],
+              "_actor_elapsed": s["elapsed"], "_actor_peak_flops_s": s["peak_flops_s"],
+              "_actor_peak_bw_s": s["peak_bw_s"], "_actor_occupancy_s": s["occupancy_s"],
               "_actor_weight_wait_s": weight_wait, "_static_waste_sum": s["static_waste_sum"],
               "_static_waste_n": s["static_waste_n"], "_actor_weight_apply_s": s["weight_apply_s"],
               "_actor_weight_loads": s["weight_loads"]})
@@ -2344,7 +2433,8 @@ class MetricsLogger:
             import wandb
 
             # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
-            mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+            mode = (None if os.environ.get("WANDB_MODE")
+                    else "online" if wandb.login(prompt=False, verify=False) else "offline")
             self.wandb = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
                                     config=dataclasses.asdict(args), dir=args.output_dir, mode=mode)
 
@@ -2357,13 +2447,17 @@ class MetricsLogger:
         g = metrics.get
         line = f"step {step}"
         if "rollout/reward" in metrics:
-            line += (f" | reward {g('rollout/reward'):.3f} solve {g('rollout/solve_rate'):.2f} len {g('rollout/response_length'):.0f}"
-                     f" | prompts {g('rollout/prompts_consumed')} (solved {g('rollout/filtered_all_solved')}, failed {g('rollout/filtered_all_failed')})"
+            line += (f" | reward {g('rollout/reward'):.3f} solve {g('rollout/solve_rate'):.2f}"
+                     f" len {g('rollout/response_length'):.0f}"
+                     f" | prompts {g('rollout/prompts_consumed')} (solved {g('rollout/filtered_all_solved')}"
+                     f", failed {g('rollout/filtered_all_failed')})"
                      f" stale {g('rollout/groups_dropped_stale')} lag {g('rollout/lag_mean', 0):.2f}"
-                     f" | loss {g('train/loss'):.4f} clip {g('train/clip_fraction'):.3f} gnorm {g('train/grad_norm'):.3f}"
+                     f" | loss {g('train/loss'):.4f} clip {g('train/clip_fraction'):.3f}"
+                     f" gnorm {g('train/grad_norm'):.3f}"
                      f" | step {g('time/step'):.1f}s data {g('time/data_wait'):.1f}s sync {g('time/weight_sync'):.2f}s"
                      f" probe {g('sync/probe_max_abs_diff'):.1e} | gen {g('perf/actor_tokens_per_s'):.0f} tok/s"
-                     f" occ {g('perf/actor_occupancy'):.2f} mfu {g('perf/actor_mfu'):.4f} mbu {g('perf/actor_mbu'):.4f}")
+                     f" occ {g('perf/actor_occupancy'):.2f} mfu {g('perf/actor_mfu'):.4f}"
+                     f" mbu {g('perf/actor_mbu'):.4f}")
         if "eval/pass@1" in metrics:
             line += f" | eval pass@1 {g('eval/pass@1'):.3f} pass@{self.k} {g(f'eval/pass@{self.k}'):.3f}"
         print(line, flush=True)
@@ -2378,16 +2472,17 @@ def add_actor_totals(totals: Counter, metrics: dict) -> None:
     """Move a step's actor totals (the `_`-prefixed keys of rollout_metrics) from `metrics` into the run's
     `totals`, for the summary. Per actor too: engines run side by side, so the run's generation rate is
     the sum of each engine's tokens over its own time, not all tokens over all engines' time."""
-    for k in ("actor_gen_tokens", "actor_flops", "actor_bytes", "actor_elapsed", "actor_peak_flops_s", "actor_peak_bw_s",
-              "actor_occupancy_s", "actor_weight_wait_s", "static_waste_sum", "static_waste_n", "actor_weight_apply_s",
-              "actor_weight_loads"):
+    for k in ("actor_gen_tokens", "actor_flops", "actor_bytes", "actor_elapsed", "actor_peak_flops_s",
+              "actor_peak_bw_s", "actor_occupancy_s", "actor_weight_wait_s", "static_waste_sum", "static_waste_n",
+              "actor_weight_apply_s", "actor_weight_loads"):
         totals[k] += metrics.pop("_" + k, 0)
     for actor in metrics.pop("_engines_loaded", []):  # engines that loaded a streamed update, for the summary
         totals[f"weight_loaded/{actor}"] = 1
     for actor, (tokens, seconds) in metrics.pop("_per_actor", {}).items():
         totals[f"actor_tokens/{actor}"] += tokens
         totals[f"actor_elapsed/{actor}"] += seconds
-    for k, k2 in (("perf/peak_source", "peak_source"), ("perf/peak_flops", "peak_flops"), ("perf/peak_memory_bandwidth", "peak_bw")):
+    for k, k2 in (("perf/peak_source", "peak_source"), ("perf/peak_flops", "peak_flops"),
+                  ("perf/peak_memory_bandwidth", "peak_bw")):
         if k in metrics:
             totals[k2] = metrics[k]
 
@@ -2403,7 +2498,8 @@ def add_final_loads(totals: Counter, stats_list: list[dict]) -> None:
 
 
 def generated_tokens_per_s(totals: Counter) -> float:
-    return sum(v / max(totals[f"actor_elapsed/{k[13:]}"], 1e-9) for k, v in totals.items() if k.startswith("actor_tokens/"))
+    return sum(v / max(totals[f"actor_elapsed/{k[13:]}"], 1e-9) for k, v in totals.items()
+               if k.startswith("actor_tokens/"))
 
 
 def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
@@ -2421,8 +2517,10 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "actor_mbu": totals["actor_bytes"] / max(totals["actor_peak_bw_s"], 1e-9),
         "actor_occupancy": totals["actor_occupancy_s"] / max(totals["actor_elapsed"], 1e-9),
         "actor_weight_wait_s": totals["actor_weight_wait_s"], "learner_data_wait_s": totals["data_wait"],
-        "static_wasted_fraction": totals["static_waste_sum"] / totals["static_waste_n"] if totals["static_waste_n"] else None,
-        "peak_source": local_actor.peak_source if local_actor else totals.get("peak_source", "see metrics.jsonl perf/peak_source"),
+        "static_wasted_fraction": (totals["static_waste_sum"] / totals["static_waste_n"]
+                                   if totals["static_waste_n"] else None),
+        "peak_source": (local_actor.peak_source if local_actor
+                        else totals.get("peak_source", "see metrics.jsonl perf/peak_source")),
         "peak_flops": local_actor.peak_flops if local_actor else totals.get("peak_flops"),
         "peak_memory_bandwidth": local_actor.peak_bw if local_actor else totals.get("peak_bw"),
         "mean_save_time_s": totals["save_time"] / steps,
@@ -2466,7 +2564,8 @@ def load_optimizer(model, optimizer, state, num_learners):
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs never count."""
+    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs
+    never count."""
     root = os.path.join(output_dir, "checkpoints")
     pointer = os.path.join(root, "latest")
     if os.path.isfile(pointer):
@@ -2567,7 +2666,8 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        opt_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        opt_state = get_optimizer_state_dict(model, optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
     root = os.path.join(args.output_dir, "checkpoints")

@@ -72,8 +72,10 @@ import chat_template
 @dataclass
 class Args:
     # --- run and logging ---
-    output_dir: str = field(default="output/sft", metadata={"help": "final model, metrics.jsonl and checkpoints/ go here"})
-    seed: int = field(default=42, metadata={"help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
+    output_dir: str = field(default="output/sft", metadata={
+        "help": "final model, metrics.jsonl and checkpoints/ go here"})
+    seed: int = field(default=42, metadata={
+        "help": "seeds data order, LoRA init and RNGs (rank r uses seed + r for its own RNG)"})
     report_to: str = field(default="none", metadata={
         "help": "none | wandb (wandb's own mode: online when logged in, else offline; WANDB_MODE overrides)"})
     wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
@@ -81,16 +83,19 @@ class Args:
     wandb_entity: str = field(default=None, metadata={"help": "wandb team or user (default: your wandb default)"})
     run_name: str = field(default=None, metadata={"aliases": ["--exp_name"],
                                                   "help": "wandb run name (default: wandb's)"})
-    logging_steps: int = field(default=1, metadata={"help": "log a line and a metrics dict every N optimizer steps"})
-    save_steps: int = field(default=500, metadata={"aliases": ["--checkpointing_steps"],
-                                                   "help": "write a resumable checkpoint every N optimizer steps (0: never)"})
+    logging_steps: int = field(default=10, metadata={"help": "print a metrics line every N optimizer steps (the "
+                               "progress bar runs in between); metrics.jsonl and wandb get every step"})
+    save_steps: int = field(default=500, metadata={
+        "aliases": ["--checkpointing_steps"],
+        "help": "write a resumable checkpoint every N optimizer steps (0: never)"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir/checkpoints/latest (same args)"})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "start over in an output_dir that holds a previous run (deletes its checkpoints and metrics)"})
     keep_last_n_checkpoints: int = field(default=2, metadata={
         "help": "keep the newest N checkpoints (0: all); the one a --resume started from is never deleted"})
     # --- model and data ---
-    model_name_or_path: str = field(default=None, metadata={"help": "HF model directory or hub id (offline: a local dir)"})
+    model_name_or_path: str = field(default=None, metadata={
+        "help": "HF model directory or hub id (offline: a local dir)"})
     dataset_mixer_list: list[str] = field(default_factory=list, metadata={
         "help": "source / amount pairs: `a.jsonl 1.0 org/b 500` (a fraction <= 1 or a row count per source)"})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
@@ -99,8 +104,10 @@ class Args:
         "aliases": ["--chat_template_name"],
         "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
-    max_seq_length: int = field(default=4096, metadata={"help": "max tokens per conversation (and per packed row); Tulu 3: 4096"})
-    over_length_strategy: str = field(default="drop", metadata={"help": "what to do with longer conversations (see chat_template.py)"})
+    max_seq_length: int = field(
+        default=4096, metadata={"help": "max tokens per conversation (and per packed row); Tulu 3: 4096"})
+    over_length_strategy: str = field(default="drop", metadata={
+        "help": "what to do with longer conversations (see chat_template.py)"})
     packing: bool = field(default=False, metadata={
         "help": "pack several conversations per row up to max_seq_length (attention never crosses them)"})
     # --- algorithm (defaults: Tulu 3 SFT, open-instruct finetune.py) ---
@@ -108,9 +115,11 @@ class Args:
     max_steps: int = field(default=-1, metadata={"aliases": ["--max_train_steps"],
                                                  "help": "optimizer steps; overrides num_train_epochs when > 0"})
     learning_rate: float = field(default=5e-6, metadata={"help": "peak AdamW learning rate (Tulu 3 8B: 5e-6)"})
-    lr_scheduler_type: str = field(default="linear", metadata={"help": "linear | cosine decay to 0 after warmup (Tulu 3: linear)"})
+    lr_scheduler_type: str = field(default="linear", metadata={
+        "help": "linear | cosine decay to 0 after warmup (Tulu 3: linear)"})
     warmup_ratio: float = field(default=0.03, metadata={"help": "fraction of steps with linear warmup (Tulu 3: 0.03)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices; never on norms (Tulu 3: 0)"})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW weight decay on matrices; never on norms (Tulu 3: 0)"})
     max_grad_norm: float = field(default=1.0, metadata={
         "aliases": ["--clip_grad_norm"], "help": "clip the global gradient norm (<= 0: no clipping, still logged)"})
     per_device_train_batch_size: int = field(default=1, metadata={"help": "rows per micro-batch per rank"})
@@ -118,7 +127,8 @@ class Args:
         "help": "micro-batches per optimizer step (Tulu 3: 1 x 16 x 8 GPUs = 128 sequences)"})
     use_lora: bool = field(default=False, metadata={"help": "train LoRA adapters (peft) instead of all weights"})
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank (open-instruct: 64)"})
-    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha; the update is scaled by alpha / rank (open-instruct: 16)"})
+    lora_alpha: float = field(default=16, metadata={
+        "help": "LoRA alpha; the update is scaled by alpha / rank (open-instruct: 16)"})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
         "help": "module names to adapt, or `all-linear` (every linear layer except the LM head)"})
     merge_lora: bool = field(default=False, metadata={"help": "also save base + adapter merged, in output_dir/merged"})
@@ -391,7 +401,8 @@ def device_memory_bytes(device, local_world_size: int) -> int:
 def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
     """The plan as one line; stops the run before anything loads when it cannot fit the device."""
     gib = 2 ** 30
-    line = ", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items()) + f" GiB per rank; {available / gib:.1f} GiB available"
+    line = (", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items())
+            + f" GiB per rank; {available / gib:.1f} GiB available")
     if plan["total"] > available:
         raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
     return f"memory plan: {line}"
@@ -468,7 +479,8 @@ def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs never count."""
+    """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs
+    never count."""
     root = os.path.join(output_dir, "checkpoints")
     pointer = os.path.join(root, "latest")
     if os.path.isfile(pointer):
@@ -603,7 +615,8 @@ def main():
             raise SystemExit(f"{len(rows)} rows cannot fill one global batch of {global_rows} rows")
         batches += [(epoch, rows[i:i + global_rows]) for i in range(0, len(rows) - global_rows + 1, global_rows)]
         epoch += 1
-        if (args.max_steps > 0 and len(batches) >= args.max_steps) or (args.max_steps <= 0 and epoch >= args.num_train_epochs):
+        if ((args.max_steps > 0 and len(batches) >= args.max_steps)
+            or (args.max_steps <= 0 and epoch >= args.num_train_epochs)):
             break
     total_steps = args.max_steps if args.max_steps > 0 else len(batches)
     batches = batches[:total_steps]
@@ -658,7 +671,8 @@ def main():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device.type, (world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
         base = model.get_base_model() if args.use_lora else model
         layer_names = set(base._no_split_modules or [])  # the decoder layer class, e.g. Olmo3DecoderLayer
         for module in model.modules():
@@ -688,7 +702,8 @@ def main():
                                  options=StateDictOptions(full_state_dict=True))
         start_step = state["step"]
         changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
-                   if k not in ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to") and getattr(args, k, v) != v}
+                   if k not in ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to")
+                   and getattr(args, k, v) != v}
         if changed and is_main:  # a different run would not continue "exactly"; say so loudly
             print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
         rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
@@ -718,7 +733,8 @@ def main():
                        os.path.join(tmp, "training_state.pt"))
         barrier()
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None}, os.path.join(tmp, f"rng_rank{rank}.pt"))
+                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None},
+                   os.path.join(tmp, f"rng_rank{rank}.pt"))
         barrier()
         if is_main:
             publish_checkpoint(root, tmp, name)
@@ -736,14 +752,18 @@ def main():
     wandb_run = None
     if is_main:
         os.makedirs(args.output_dir, exist_ok=True)
-        print(json.dumps({"args": asdict(args), "derived": derived}, indent=1, default=str))
+        with open(os.path.join(args.output_dir, "run_config.json"), "w") as f:  # every argument, for the record
+            json.dump({"args": asdict(args), "derived": derived}, f, indent=1, default=str)
+        print("run: " + " ".join(f"{k}={v}" for k, v in derived.items()) + f" (all arguments: {f.name})", flush=True)
         if args.report_to == "wandb":
             import wandb
             # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
-            mode = None if os.environ.get("WANDB_MODE") else "online" if wandb.login(prompt=False, verify=False) else "offline"
+            mode = (None if os.environ.get("WANDB_MODE")
+                    else "online" if wandb.login(prompt=False, verify=False) else "offline")
             wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
                                    dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
-    metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main else None
+    metrics_file = (open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main
+                    else None)
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="sft", dynamic_ncols=True)
 
     # ---- loop ---------------------------------------------------------------------------------
@@ -790,13 +810,14 @@ def main():
         # MFU <= 1: a step faster than the measured peak proves the devices' peak is at least its rate
         peak_total = max(peak_total, step_flops / dt)
         progress.update(1)
-        if is_main and ((step + 1) % args.logging_steps == 0 or step + 1 == total_steps):
+        if is_main:
             metrics = {"step": step + 1, "train/loss": nll_total / max(num_trained, 1), "train/lr": lr,
                        "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
                        "train/trained_tokens": int(num_trained), "time/step_s": dt,
                        "perf/tokens_per_s": num_tokens / dt, "perf/mfu": step_flops / dt / peak_total}
             progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{lr:.2e}")
-            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+            if (step + 1) % max(1, args.logging_steps) == 0 or step + 1 == total_steps:
+                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
             if wandb_run is not None:

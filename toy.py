@@ -168,7 +168,8 @@ def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000
     for _ in range(num_sft):
         expr, steps, answer = next(it)
         splits["sft"].append({"messages": [{"role": "user", "content": prompt(expr)},
-                                           {"role": "assistant", "content": teacher_solution(rng, expr, teacher_carry_slip, teacher_box_slip)[0]}]})
+                                           {"role": "assistant", "content": teacher_solution(
+                                               rng, expr, teacher_carry_slip, teacher_box_slip)[0]}]})
     for _ in range(num_preference):
         expr, steps, answer = next(it)
         user = {"role": "user", "content": prompt(expr)}
@@ -317,7 +318,8 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
             prompts = [tokenize_prompt(tokenizer, row["messages"]) for row in rows[start:start + batch_size]]
             width = max(map(len, prompts))
             input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding for generation
-            attention_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+            attention_mask = (torch.arange(width)[None, :]
+                              >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
             with torch.no_grad():
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                      pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, **sampling)
@@ -325,14 +327,16 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
         return responses
 
     responses = generate(rows, do_sample=False)
-    results = [verifiers.verify(row["verifier"], response, row["ground_truth"]) for row, response in zip(rows, responses)]
+    results = [verifiers.verify(row["verifier"], response, row["ground_truth"])
+               for row, response in zip(rows, responses)]
     sampled = {}
     if num_samples > 0:
         torch.manual_seed(seed)
         repeated = [row for row in rows for _ in range(num_samples)]
         # top_k=0 / top_p=1: the full distribution at `temperature`, as vLLM samples it in grpo.py
         texts = generate(repeated, do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-        scores = [verifiers.verify(row["verifier"], text, row["ground_truth"]).score for row, text in zip(repeated, texts)]
+        scores = [verifiers.verify(row["verifier"], text, row["ground_truth"]).score
+                  for row, text in zip(repeated, texts)]
         sampled = {"sampled_pass@1": sum(scores) / max(len(scores), 1), "sampled_num_samples": num_samples,
                    "sampled_temperature": temperature}
     by_operands, by_carry = {}, {}
@@ -352,7 +356,8 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
         "num_errors": sum(r.error is not None for r in results),
         "mean_response_chars": mean([len(r) for r in responses]),
         **sampled,
-        "examples": [{"prompt": row["messages"][-1]["content"], "response": response, "ground_truth": row["ground_truth"],
+        "examples": [{"prompt": row["messages"][-1]["content"], "response": response,
+                      "ground_truth": row["ground_truth"],
                       "score": r.score} for row, response, r in list(zip(rows, responses, results))[:5]],
     }
 
@@ -418,19 +423,23 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
                                temperature=temperature) for stage, path in stage_dirs.items()}
     operands = sorted({k for r in results.values() for k in r["accuracy_by_operands"]})
     rows = [("Accuracy, greedy (all, %)", lambda r: 100 * r["accuracy"])]
-    rows += [(f"  {k} operands (%)", lambda r, k=k: 100 * r["accuracy_by_operands"].get(k, float("nan"))) for k in operands]
+    rows += [(f"  {k} operands (%)", lambda r, k=k: 100 * r["accuracy_by_operands"].get(k, float("nan")))
+             for k in operands]
     rows += [(f"  {k} (%)", lambda r, k=k: 100 * r["accuracy_by_carry"].get(k, float("nan")))
              for k in ("no carry", "needs a carry")]
     if num_samples > 0:
         rows += [(f"pass@1, sampled (T={temperature:g}, k={num_samples}, %)", lambda r: 100 * r["sampled_pass@1"])]
-    rows += [("Boxes its last step (%)", lambda r: None if r["boxes_last_step"] is None else 100 * r["boxes_last_step"]),
+    rows += [("Boxes its last step (%)",
+              lambda r: None if r["boxes_last_step"] is None else 100 * r["boxes_last_step"]),
              ("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
-    format_cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731  (no such answers / no such problems)
+    # "-": no such answers / no such problems
+    format_cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731
     table = [header] + [[name] + [format_cell(fn(r)) for r in results.values()] for name, fn in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths)))
                      for row in table)
     markdown = "\n".join("| " + " | ".join(row) + " |" for row in table[:1] + [["---"] * len(header)] + table[1:])
     with open(os.path.join(out_dir, "results.json"), "w") as f:
@@ -471,7 +480,8 @@ def main():
     p_data.add_argument("--teacher_box_slip", type=float, default=0.6,
                         help="probability that the SFT teacher boxes the result of the step before the last "
                              "(traces of two or more steps)")
-    p_eval = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 of a model on an eval JSONL (e.g. OUT_DIR/eval.jsonl)")
+    p_eval = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 of a model on an eval JSONL "
+                                         "(e.g. OUT_DIR/eval.jsonl)")
     p_eval.add_argument("model_dir")
     p_eval.add_argument("eval_path")
     p_eval.add_argument("--max_new_tokens", type=int, default=64)
@@ -485,7 +495,8 @@ def main():
     for p in (p_eval, p_report):
         p.add_argument("--num_samples", type=int, default=4,
                        help="k sampled completions per prompt for sampled pass@1 (0: greedy accuracy only)")
-        p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (grpo.py trains and evaluates at 1.0)")
+        p.add_argument("--temperature", type=float, default=1.0,
+                       help="sampling temperature (grpo.py trains and evaluates at 1.0)")
     args = vars(parser.parse_args())
     command = args.pop("command")
     if command == "report":

@@ -292,9 +292,11 @@ def math(response: str, label: Any, math_timeout: int = 5) -> VerifierResult:
         gold = str(gold)
         gold = _strip_math_delims(last_boxed(gold) or gold)
         try:
-            gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=t, raise_on_error=True)
+            gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=t,
+                                raise_on_error=True)
             # raise_on_error: math-verify otherwise scores a timeout as a silent False.
-            if pred_parsed and gold_parsed and mv_verify(gold_parsed, pred_parsed, timeout_seconds=t, raise_on_error=True):
+            if pred_parsed and gold_parsed and mv_verify(gold_parsed, pred_parsed, timeout_seconds=t,
+                                                         raise_on_error=True):
                 return VerifierResult(1.0, None, pred)
         except TimeoutException:
             return _fail("timeout", pred)
@@ -2037,7 +2039,8 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
                         timeout=timeout, memory_mb=code_memory_mb, channel=True)
     if run["status"] == "sandbox_error":
         return _fail("sandbox_error", program[:2000], message=run["stderr"][-500:])
-    reports = _reports(run["channel"], plans) if run["status"] != "output_limit" else {}  # flooding its output fails all
+    # flooding its output fails all
+    reports = _reports(run["channel"], plans) if run["status"] != "output_limit" else {}
     passed = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans) if plan is not None)
     return VerifierResult(passed / judged, None, program[:2000],
                           details={"passed": passed, "total": len(tests), "status": run["status"],
@@ -2221,7 +2224,8 @@ def verify(name: str, response: str, label: Any, **kwargs) -> VerifierResult:
     else:
         try:
             accepted = _accepted(fn)
-            out = fn("" if response is None else str(response), label, **{k: v for k, v in kwargs.items() if k in accepted})
+            out = fn("" if response is None else str(response), label,
+                     **{k: v for k, v in kwargs.items() if k in accepted})
             result = out if isinstance(out, VerifierResult) else VerifierResult(float(out))
         except (Exception, RecursionError) as e:  # label or response of a shape nobody expected
             result = _fail(f"exception:{type(e).__name__}", message=str(e)[:200])
@@ -2458,10 +2462,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Score one response (stdin) with one verifier; prints JSON.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--verifier", required=True, help=f"one of {sorted(VERIFIERS)}, or a JSON list of them")
-    p.add_argument("--label", required=True, help="the label / ground truth (JSON where the verifier takes a structure)")
-    p.add_argument("--timeout", type=float, default=30.0, help="hard per-row timeout (runs in a 1-worker pool); 0 = in-process")
-    p.add_argument("--judge_base_url", default=None, help="llm_judge: OpenAI-compatible base URL (or env JUDGE_BASE_URL)")
-    p.add_argument("--judge_model", default=None, help="llm_judge: model name (or env JUDGE_MODEL; default the server's first)")
+    p.add_argument("--label", required=True,
+                   help="the label / ground truth (JSON where the verifier takes a structure)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="hard per-row timeout (runs in a 1-worker pool); 0 = in-process")
+    p.add_argument("--judge_base_url", default=None,
+                   help="llm_judge: OpenAI-compatible base URL (or env JUDGE_BASE_URL)")
+    p.add_argument("--judge_model", default=None,
+                   help="llm_judge: model name (or env JUDGE_MODEL; default the server's first)")
     p.add_argument("--judge_api_key", default=None, help="llm_judge: API key (or env JUDGE_API_KEY)")
     p.add_argument("--allow_unsandboxed_code", action="store_true",
                    help="code verifiers: run model-written code even where no sandbox is available (unisolated)")

@@ -25,13 +25,16 @@ REL_SYS = ("<|im_start|>system\nYou are Olmo, a helpful AI assistant built by Ai
            "to any functions. <functions></functions><|im_end|>\n")
 PREAMBLE = ("You are provided with function signatures within <functions></functions> XML tags. You may call one or "
             "more functions to assist with the user query. Output any function calls within "
-            "<function_calls></function_calls> XML tags. Do not make assumptions about what values to plug into functions.")
+            "<function_calls></function_calls> XML tags. Do not make assumptions about what values to plug "
+            "into functions.")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 # transformers' tojson: json.dumps defaults (", " and ": "), no key sorting, non-ASCII kept.
 TOOLS_JSON = ('[{"type": "function", "function": {"name": "get_weather", "description": "Wetter für eine Stadt", '
               '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]')
-USER, ANSWER = {"role": "user", "content": "What is 7+5?"}, {"role": "assistant", "content": "<think>7+5=12</think>\n\\boxed{12}"}
+USER, ANSWER = ({"role": "user", "content": "What is 7+5?"},
+                {"role": "assistant", "content": "<think>7+5=12</think>\n\\boxed{12}"})
 CALL = {"role": "assistant", "content": None, "tool_calls": [
     {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Boston", "days": [1, 2]}}},
     {"type": "function", "function": {"name": "now", "arguments": {}}}]}
@@ -81,16 +84,19 @@ def test_single_multi_turn_and_generation_prompt(name, system, gen):
              {"role": "assistant", "content": "12!"}]
     assert r(multi, name) == (system + "<|im_start|>user\nWhat is 7+5?<|im_end|>\n<|im_start|>assistant\n12<|im_end|>\n"
                               "<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n12!" + EOS)
-    assert r([USER], name, agp=True) == system + "<|im_start|>user\nWhat is 7+5?<|im_end|>\n<|im_start|>assistant\n" + gen
+    assert r([USER], name, agp=True) == (system + "<|im_start|>user\nWhat is 7+5?<|im_end|>\n"
+                                         "<|im_start|>assistant\n" + gen)
     assert r([USER], name, agp=False) == system + "<|im_start|>user\nWhat is 7+5?<|im_end|>\n"
 
 
 @pytest.mark.parametrize("name", list(ct.TEMPLATES))
 def test_system_messages_and_tools(name):
     sys_msg = {"role": "system", "content": "Be brief."}
-    assert r([sys_msg, USER], name) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 7+5?<|im_end|>\n"
+    assert r([sys_msg, USER], name) == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                                        "<|im_start|>user\nWhat is 7+5?<|im_end|>\n")
     fn = {"role": "system", "content": "Be brief.", "functions": '[{"name": "f"}]'}
-    assert r([fn, USER], name).startswith('<|im_start|>system\nBe brief. <functions>[{"name": "f"}]</functions><|im_end|>\n')
+    assert r([fn, USER], name).startswith(
+        '<|im_start|>system\nBe brief. <functions>[{"name": "f"}]</functions><|im_end|>\n')
     # A user system message with tools: the JSON follows the content directly.
     assert r([sys_msg, USER], name, tools=TOOLS).startswith(
         f"<|im_start|>system\nBe brief.<functions>{TOOLS_JSON}</functions><|im_end|>\n<|im_start|>user\n")
@@ -241,11 +247,13 @@ def test_trimmed_offsets_give_the_same_labels(tok, toy_model_dir):
     assert trained_spans(tok, ct.tokenize_messages(trimmed, conv)) == [" It is  12 .\n\n<|im_end|>", "  yes" + EOS]
     # A header ending in a space: the trimmed " is" token must still count as starting before the block.
     spaced = ("{%- for m in messages -%}{{- m['role'] + ' ' -}}{%- if m['role'] == 'assistant' -%}{%- generation -%}"
-              "{{- m['content'] + eos_token -}}{%- endgeneration -%}{%- else -%}{{- m['content'] + '\\n' -}}{%- endif -%}"
+              "{{- m['content'] + eos_token -}}{%- endgeneration -%}{%- else -%}{{- m['content'] + '\\n' -}}"
+              "{%- endif -%}"
               "{%- endfor -%}")
     conv = [USER, {"role": "assistant", "content": "is 12"}]
     assert trained_tokens(tok, ct.tokenize_messages(tok, conv, chat_template=spaced)) == [" ", "1", "2", EOS]
-    assert ct.tokenize_messages(trimmed, conv, chat_template=spaced) == ct.tokenize_messages(tok, conv, chat_template=spaced)
+    assert (ct.tokenize_messages(trimmed, conv, chat_template=spaced)
+            == ct.tokenize_messages(tok, conv, chat_template=spaced))
 
 
 # External (annotated) templates: the seed's checks.
@@ -258,15 +266,18 @@ def ext(user_end, assistant):
 
 GOOD_USER_END = "{{- '<|im_end|>\\n' -}}"
 GOOD_ASSISTANT = ("{{- '<|im_start|>assistant\\n' -}}{%- generation -%}{{- m['content'] -}}"
-                  "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}{{- '' if loop.last else '\\n' -}}")
-CONV = [USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "x"}, {"role": "assistant", "content": "13"}]
+                  "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}"
+                  "{{- '' if loop.last else '\\n' -}}")
+CONV = [USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "13"}]
 
 
 def test_external_template_last_turn_labeling(tok):
     out = ct.tokenize_messages(tok, CONV, chat_template=ext(GOOD_USER_END, GOOD_ASSISTANT), only_last_turn=True)
     assert trained_spans(tok, out) == ["13" + EOS]
     # Several blocks per assistant message are supported (ownership by position, not by counting).
-    two = GOOD_ASSISTANT.replace("{{- m['content'] -}}", "{{- m['content'] -}}{%- endgeneration -%}{{- '|' -}}{%- generation -%}")
+    two = GOOD_ASSISTANT.replace("{{- m['content'] -}}",
+                                 "{{- m['content'] -}}{%- endgeneration -%}{{- '|' -}}{%- generation -%}")
     out = ct.tokenize_messages(tok, CONV, chat_template=ext(GOOD_USER_END, two), only_last_turn=True)
     assert trained_spans(tok, out) == ["13", EOS]
 
@@ -282,7 +293,8 @@ def test_external_template_checks_drop_or_warn(tok):
     # The user's <|im_end|> is emitted inside the next assistant block: a block straddles the boundary.
     straddle_user = "{{- '<|im_end|>\\n' if loop.last else '' -}}"
     straddle = ("{%- generation -%}{{- '<|im_end|>\\n<|im_start|>assistant\\n' + m['content'] -}}"
-                "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}{{- '' if loop.last else '\\n' -}}")
+                "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}"
+                "{{- '' if loop.last else '\\n' -}}")
     with pytest.raises(DroppedRow, match="ambiguous_block_ownership"):
         ct.tokenize_messages(tok, CONV, chat_template=ext(straddle_user, straddle), only_last_turn=True)
     # Turn endings that change when a message is appended.
@@ -298,8 +310,8 @@ def test_external_template_checks_drop_or_warn(tok):
 
 
 def test_external_template_errors_drop_the_row(tok):
-    strict = "{%- if messages[0]['role'] != 'system' -%}{{- raise_exception('needs a system message') -}}{%- endif -%}" + \
-        ext(GOOD_USER_END, GOOD_ASSISTANT)
+    strict = ("{%- if messages[0]['role'] != 'system' -%}{{- raise_exception('needs a system message') -}}"
+              "{%- endif -%}" + ext(GOOD_USER_END, GOOD_ASSISTANT))
     with pytest.raises(DroppedRow, match="render_error"):
         ct.tokenize_messages(tok, CONV, chat_template=strict)
     with pytest.raises(DroppedRow, match="render_error"):
@@ -334,7 +346,8 @@ def test_over_length_drop_terminate_truncate(tok):
     with pytest.raises(DroppedRow, match="over_length"):  # no trained token left in the tail
         ct.tokenize_messages(tok, [{"role": "assistant", "content": "12"}], chat_template=bare + "{{- ' tail text' -}}",
                              max_length=2, over_length_strategy="terminate")
-    for bad in ({"max_length": 0, "over_length_strategy": "terminate"}, {"max_length": 5, "over_length_strategy": "cut"}):
+    for bad in ({"max_length": 0, "over_length_strategy": "terminate"},
+                {"max_length": 5, "over_length_strategy": "cut"}):
         with pytest.raises(ValueError):
             ct.tokenize_messages(tok, [USER, ANSWER], **bad)
         with pytest.raises(ValueError):  # a bad setting is not a per-row drop
@@ -352,8 +365,10 @@ HOSTILE = [None, [], "hi", 5, [None], [["user", "hi"]], [{"content": "hi"}], [{"
            [{"role": "user", "content": {"text": "a"}}, ANSWER], [{"role": "user"}, ANSWER],
            [{"role": "user", "content": None}, ANSWER], [USER], [USER, {"role": "assistant", "content": None}],
            [USER, {"role": "assistant", "content": None, "tool_calls": "f()"}],
-           [USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
-           [USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
+           [USER, {"role": "assistant", "content": None,
+                   "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}],
+           [USER, {"role": "assistant", "content": None,
+                   "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
            [USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": {}}}]}],
            [USER, {"role": "assistant", "content": None, "tool_calls": [5]}],
            [USER, {"role": "assistant", "content": "x", "reasoning_content": 5}],
@@ -378,7 +393,8 @@ def test_mixed_dataset_counts_reasons(tok, tmp_path):
             {"messages": [{"role": None, "content": "x"}, ANSWER]}, {"messages": [USER]},
             {"messages": [{"role": "user", "content": None}, ANSWER]}, good]
     ds, drops = ct.tokenize_sft(datasets.Dataset.from_list(rows), tok, 512, cache_dir=str(tmp_path))
-    assert len(ds) == 2 and drops == {"empty_conversation": 2, "bad_role": 2, "no_final_assistant": 1, "missing_content": 1}
+    assert len(ds) == 2 and drops == {"empty_conversation": 2, "bad_role": 2, "no_final_assistant": 1,
+                                      "missing_content": 1}
     assert drops.total == 8 and drops.kept == 2
     # Python rows Arrow could not hold (mixed types) go through the same counting.
     py_rows = [good, None, {"messages": "x"}, {"messages": [{"role": "user", "content": 3}, ANSWER]}, {"nothing": 1}]
@@ -415,7 +431,8 @@ def test_tokenize_preference_and_rlvr(tok, toy_data_dir, tmp_path):
     trl = [{"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "13"}]}]
     ds, drops = ct.tokenize_preference(trl, tok, 512, cache_dir="")
     assert not drops and ds[0]["chosen_input_ids"] == ct.tokenize_messages(tok, [USER, ANSWER])["input_ids"]
-    assert trained_spans(tok, {"input_ids": ds[0]["rejected_input_ids"], "labels": ds[0]["rejected_labels"]}) == ["13" + EOS]
+    assert trained_spans(tok, {"input_ids": ds[0]["rejected_input_ids"],
+                               "labels": ds[0]["rejected_labels"]}) == ["13" + EOS]
     rl = ct.load_mixture([os.path.join(toy_data_dir, "rlvr.jsonl"), "20"])
     rows = [dict(rl[0]), dict(rl[1], ground_truth=None), dict(rl[2], messages=rl[2]["messages"] + [ANSWER])]
     ds, drops = ct.tokenize_rlvr(rows, tok, 512, cache_dir="")
@@ -512,9 +529,11 @@ def test_cli_render_sources_and_bad_input(tmp_path, toy_model_dir, capsys):
     assert code == 0 and out == r([USER, ANSWER])
     jinja = tmp_path / "x.jinja"
     jinja.write_text(ct.TEMPLATES["olmo3-instruct-release"])
-    assert run_main(["render", "--template", str(jinja), "--messages", msgs], capsys)[1] == r([USER, ANSWER], "olmo3-instruct-release")
+    assert (run_main(["render", "--template", str(jinja), "--messages", msgs], capsys)[1]
+            == r([USER, ANSWER], "olmo3-instruct-release"))
     (tmp_path / "bad.json").write_text("{nope")
-    for i, bad in enumerate(([], {"messages": "x"}, 5, [5], [{"role": "user"}], {"messages": [USER], "tools": {"a": 1}})):
+    for i, bad in enumerate(([], {"messages": "x"}, 5, [5], [{"role": "user"}],
+                             {"messages": [USER], "tools": {"a": 1}})):
         path = write(tmp_path / f"bad{i}.json", bad)
         assert run_main(["render", "--template", "olmo3-instruct-dev", "--messages", path], capsys)[0] == 2, bad
     for argv in (["render", "--template", "nope", "--messages", msgs],
@@ -534,7 +553,8 @@ def test_cli_show_brackets_trained_tokens(tmp_path, toy_model_dir, capsys):
                              "--color", "always"], capsys)
     assert "\x1b[" in out
     bad = write(tmp_path / "b.json", [USER])
-    assert run_main(["show", "--template", "olmo3-think-dev", "--tokenizer", toy_model_dir, "--messages", bad], capsys)[0] == 2
+    assert run_main(["show", "--template", "olmo3-think-dev", "--tokenizer", toy_model_dir, "--messages", bad],
+                    capsys)[0] == 2
 
 
 def test_cli_export_writes_both_in_sync(tmp_path, toy_model_dir, capsys):

@@ -115,8 +115,10 @@ def test_ipo_matches_azar_eq17():
 def test_dpo_gradient_matches_the_derivative():
     # d/d log pi(y_w) of -log sigmoid(beta h) = -beta sigmoid(-beta h); the rejected gets the opposite sign.
     beta = 0.3
-    pc, pr = torch.tensor([-10.0], dtype=torch.float64, requires_grad=True), torch.tensor([-12.0], dtype=torch.float64, requires_grad=True)
-    loss, _, _ = dpo.dpo_loss(pc, pr, torch.tensor([-11.0]).double(), torch.tensor([-11.5]).double(), beta=beta, loss_type="dpo")
+    pc, pr = (torch.tensor([-10.0], dtype=torch.float64, requires_grad=True),
+              torch.tensor([-12.0], dtype=torch.float64, requires_grad=True))
+    loss, _, _ = dpo.dpo_loss(pc, pr, torch.tensor([-11.0]).double(), torch.tensor([-11.5]).double(), beta=beta,
+                              loss_type="dpo")
     loss.sum().backward()
     h = 1.5
     assert pc.grad.item() == pytest.approx(-beta * sigmoid(-beta * h), rel=1e-12)
@@ -154,7 +156,8 @@ def test_sequence_logps_sums_trained_tokens_only():
         logits = model(input_ids=batch["input_ids"]).logits  # the full (2B, T, V) logits, for the hand sum
         dpo.install_chunked_head(model, chunk_size=3)  # then the chunked head the trainer uses
         sums, counts = dpo.sequence_logps(model, batch, torch.device("cpu"))
-    for row, (ids, labels) in enumerate([(p[f"{s}_input_ids"], p[f"{s}_labels"]) for s in ("chosen", "rejected") for p in PAIRS]):
+    for row, (ids, labels) in enumerate([(p[f"{s}_input_ids"], p[f"{s}_labels"])
+                                         for s in ("chosen", "rejected") for p in PAIRS]):
         expected, n = 0.0, 0
         for t in range(1, len(ids)):
             if labels[t] == -100:
@@ -274,7 +277,8 @@ def first_dpo_run(toy_sft_model_dir, toy_data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     out, cache = str(root / "run1"), str(root / "reference_cache")
     args = [a.replace("PREF", os.path.join(toy_data_dir, "preference.jsonl")) for a in LEARN_ARGS]
-    log = run_dpo(args + ["--model_name_or_path", toy_sft_model_dir, "--output_dir", out, "--reference_cache_dir", cache])
+    log = run_dpo(args + ["--model_name_or_path", toy_sft_model_dir, "--output_dir", out,
+                          "--reference_cache_dir", cache])
     return {"args": args, "out": out, "cache": cache, "log": log, "root": root}
 
 
@@ -294,6 +298,8 @@ def test_dpo_raises_heldout_preference_accuracy_and_keeps_task_accuracy(first_dp
                 "train/accuracy", "perf/tokens_per_s", "perf/mfu", "train/lr", "train/grad_norm"):
         assert math.isfinite(end[key]), key
     assert all(0 < row["perf/mfu"] <= 1.0 for row in metrics if "perf/mfu" in row)  # a measured peak bounds it
+    steps = [row["step"] for row in metrics if "train/loss" in row]  # every step in the file, a line every 5
+    assert steps == list(range(1, len(steps) + 1)) and first_dpo_run["log"].count("train/loss=") <= len(steps) // 5 + 2
     eval_path = os.path.join(toy_data_dir, "eval.jsonl")
     sft_acc = toy.evaluate(toy_sft_model_dir, eval_path, max_new_tokens=64, num_samples=0)["accuracy"]
     dpo_acc = toy.evaluate(first_dpo_run["out"], eval_path, max_new_tokens=64, num_samples=0)["accuracy"]
@@ -308,7 +314,8 @@ def test_dpo_fits_a_small_set_of_pairs(toy_sft_model_dir, toy_data_dir, tmp_path
     # (almost) every pair right within a few steps (measured: 0.97 after 10 steps, loss 0.16).
     pref = os.path.join(toy_data_dir, "preference.jsonl")
     out = str(tmp_path / "fit")
-    run_dpo(["--model_name_or_path", toy_sft_model_dir, "--output_dir", out, "--reference_cache_dir", str(tmp_path / "cache"),
+    run_dpo(["--model_name_or_path", toy_sft_model_dir, "--output_dir", out,
+             "--reference_cache_dir", str(tmp_path / "cache"),
              "--dataset_mixer_list", pref, "32", "--eval_dataset_mixer_list", pref, "32", "--max_seq_length", "256",
              "--learning_rate", "3e-4", "--max_grad_norm", "1.0", "--per_device_train_batch_size", "8",
              "--gradient_accumulation_steps", "4", "--max_steps", "10", "--eval_steps", "5", "--save_steps", "0",

@@ -62,7 +62,8 @@ def model(toy_model_dir):
 def run(cmd, timeout=600, **kwargs):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (f"{' '.join(cmd)}\n--- stdout\n{result.stdout[-4000:]}\n"
+                                    f"--- stderr\n{result.stderr[-6000:]}")
     return result
 
 
@@ -135,7 +136,8 @@ def test_packed_batch_gives_the_same_per_token_loss_as_unpacked(rows_and_example
 
 
 def test_loss_is_normalised_by_trained_tokens_of_the_whole_step(rows_and_examples, model, tokenizer):
-    """Accumulating two uneven micro-batches == one batch's (sum / all trained tokens); a per-micro-batch mean is not."""
+    """Accumulating two uneven micro-batches == one batch's (sum / all trained tokens); a per-micro-batch
+    mean is not."""
     _, examples = rows_and_examples
     micro = [sft.collate([[0]], examples, tokenizer.pad_token_id),  # one conversation
              sft.collate([[1], [2], [3], [4]], examples, tokenizer.pad_token_id)]  # four
@@ -186,7 +188,8 @@ def test_lr_schedule():
     assert sft.lr_at(10, total, warmup, "linear") == pytest.approx(1.0)
     assert sft.lr_at(55, total, warmup, "linear") == pytest.approx(0.5)
     assert sft.lr_at(55, total, warmup, "cosine") == pytest.approx(0.5)
-    assert sft.lr_at(32, total, warmup, "cosine") == pytest.approx(0.5 * (1 + __import__("math").cos(__import__("math").pi * 22 / 90)))
+    assert sft.lr_at(32, total, warmup, "cosine") == pytest.approx(
+        0.5 * (1 + __import__("math").cos(__import__("math").pi * 22 / 90)))
     assert sft.lr_at(99, total, 0, "linear") == pytest.approx(0.01)
     with pytest.raises(ValueError):
         sft.lr_at(50, total, warmup, "constant-ish")
@@ -260,7 +263,9 @@ def test_output_dir_reuse_needs_resume_or_overwrite_and_keeps_last_n(toy_model_d
     first = run(cmd + ["--max_steps", "4", "--resume"])
     assert "starting from scratch" in first.stdout + first.stderr
     assert sorted(os.listdir(ckpts)) == ["latest", "step_2", "step_3"]  # saved after steps 1, 2, 3
-    assert sorted(read_metrics(out)) == [1, 2, 3, 4]
+    assert sorted(read_metrics(out)) == [1, 2, 3, 4]  # every step, while the console prints every
+    assert first.stdout.count("train/loss=") == 1  # --logging_steps (10) and the last step: one line
+    assert json.load(open(os.path.join(out, "run_config.json")))["derived"]["total_steps"] == 4
     t = time.time()
     again = subprocess.run(cmd + ["--max_steps", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode != 0 and "holds a previous run" in again.stderr, again.stderr[-3000:]
@@ -276,7 +281,8 @@ def test_output_dir_reuse_needs_resume_or_overwrite_and_keeps_last_n(toy_model_d
 @pytest.fixture(scope="module")
 def reference_runs(toy_model_dir, toy_data_dir, tmp_path_factory):
     """6 steps, global batch 16, three ways: 1 process x 2 accumulation steps, DDP x 2 ranks, FSDP2 x 2 ranks."""
-    data = ["--model_name_or_path", toy_model_dir, "--dataset_mixer_list", os.path.join(toy_data_dir, "sft.jsonl"), "1.0"]
+    data = ["--model_name_or_path", toy_model_dir, "--dataset_mixer_list", os.path.join(toy_data_dir, "sft.jsonl"),
+            "1.0"]
     outs = {name: str(tmp_path_factory.mktemp(f"sft_{name}")) for name in ("single", "ddp", "fsdp")}
     common = [*data, *TINY, *STEPS]
     run([sys.executable, "sft.py", *common, "--gradient_accumulation_steps", "2", "--output_dir", outs["single"]])
@@ -301,7 +307,8 @@ def test_ddp_fsdp_and_accumulation_give_the_same_run(reference_runs):
         ref = curves["single"][step]
         for name in ("ddp", "fsdp"):
             assert curves[name][step]["train/trained_tokens"] == ref["train/trained_tokens"]
-            assert curves[name][step]["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-4, abs=1e-5), (name, step)
+            assert (curves[name][step]["train/loss"]
+                    == pytest.approx(ref["train/loss"], rel=1e-4, abs=1e-5)), (name, step)
     weights = {name: load_file(os.path.join(out, "model.safetensors")) for name, out in outs.items()}
     for key, value in weights["single"].items():
         for name in ("ddp", "fsdp"):

@@ -148,7 +148,8 @@ def test_eval_split_is_held_out(toy_data_dir):
 
 
 def test_difficulty_is_adjustable():
-    easy = toy.generate_data(seed=0, num_sft=30, num_preference=0, num_rlvr=0, num_eval=0, max_operand=5, max_operands=2)
+    easy = toy.generate_data(seed=0, num_sft=30, num_preference=0, num_rlvr=0, num_eval=0, max_operand=5,
+                             max_operands=2)
     hard = toy.generate_data(seed=0, num_sft=200, num_preference=0, num_rlvr=0, num_eval=0, max_operand=50,
                              min_operands=4, max_operands=5)
     steps = lambda rows: max(r["messages"][1]["content"].count("=") for r in rows)  # noqa: E731

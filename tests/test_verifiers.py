@@ -275,7 +275,8 @@ def test_ifeval_instruction(inst, kwargs, good, bad):
 def test_ifeval_partial_hf_nones_json_string_and_think():
     # The HF dataset stores every kwarg key in every dict, None where unused.
     kwargs = [{"keywords": None, "num_words": None, "relation": None}, {"keywords": ["apple"], "num_words": None}]
-    label = json.dumps({"key": 1, "prompt": "...", "instruction_id_list": ["punctuation:no_comma", "keywords:existence"],
+    label = json.dumps({"key": 1, "prompt": "...",
+                        "instruction_id_list": ["punctuation:no_comma", "keywords:existence"],
                         "kwargs": kwargs})
     r = verify("ifeval", "<think>apple, apple</think>I like pears, a lot.", label)
     assert (r.score, r.error) == (0.0, None)
@@ -490,7 +491,8 @@ HOSTILE = {
     # name: (program, max score it may get, seconds it may take with code_timeout=2)
     "infinite_loop": (GOOD_F + "while True:\n    pass", 0.0, 4),
     "sleep_forever": (GOOD_F + "import time\ntime.sleep(1000)", 0.0, 4),
-    "fork_bomb": ("import os\n" + GOOD_F + "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass", 0.0, 5),
+    "fork_bomb": ("import os\n" + GOOD_F + "while True:\n    try:\n        os.fork()\n    except OSError:\n"
+                  "        pass", 0.0, 5),
     "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(10 ** 7))\n" + GOOD_F, 0.0, 5),
     "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)\n"
                     "def f(x):\n    return -1", 0.0, 4),
@@ -997,7 +999,8 @@ class _FakeOpenAI(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
-        self._send(200, {"object": "list", "data": [{"id": "fake-judge", "object": "model", "created": 0, "owned_by": "t"}]})
+        self._send(200, {"object": "list",
+                         "data": [{"id": "fake-judge", "object": "model", "created": 0, "owned_by": "t"}]})
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -1005,7 +1008,8 @@ class _FakeOpenAI(http.server.BaseHTTPRequestHandler):
         if self.mode == "error500":
             return self._send(500, {"error": {"message": "boom"}})
         if self.mode == "no_schema" and "response_format" in req:
-            return self._send(400, {"error": {"message": "response_format is not supported", "type": "invalid_request"}})
+            return self._send(400, {"error": {"message": "response_format is not supported",
+                                              "type": "invalid_request"}})
         content = {"json": '{"score": 7}', "garbage": "I refuse.", "no_schema": 'Sure! {"score": 11}'}[self.mode]
         self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": req["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
@@ -1186,7 +1190,8 @@ def test_batch_1000_mixed_rows():
         seconds = time.time() - t0
         counts = dict(pool.error_counts - before)
     errors = sum(r.error is not None for r in results)
-    print(f"\n1000 mixed rows: {len(rows) / seconds:.1f} rows/s ({seconds:.1f} s, 2 workers), {errors} errors: {counts}")
+    print(f"\n1000 mixed rows: {len(rows) / seconds:.1f} rows/s ({seconds:.1f} s, 2 workers), "
+          f"{errors} errors: {counts}")
     for row, r, want in zip(rows, results, expected):
         assert in_bounds(r)
         assert r.elapsed <= timeout + 1.0, (row, r)  # no row blocks beyond its timeout
