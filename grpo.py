@@ -2170,34 +2170,40 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         # ---- rollout: active sampling (learner 0), then split the packed batch across learners
         if is_main:
             t = time.perf_counter()
-            counts, lags, first_lags = Counter(), [], []
+            counts = Counter()
             pulled = []  # every group active sampling saw this step (after the off-policy filter)
 
             useful = [0]  # groups with gradient seen this step: the dispatcher releases what is still missing
 
             def pull_scored():
-                fresh = not leftover
                 if leftover:  # pulled and scored last step, beyond that step's batch
                     gs = leftover[:]
                     leftover.clear()
                 else:
                     gs = pull(args.timeout_s)
                 n_pulled = len(gs)
-                gs, c, lg, fl = offpolicy_filter(gs, version, args.max_token_lag)
+                gs, c, _, _ = offpolicy_filter(gs, version, args.max_token_lag)
                 counts.update(c)
-                lags.extend(lg)
-                first_lags.extend(fl)
                 score([g for g in gs if "rewards" not in g], counts)
                 pulled.extend(gs)
-                useful[0] += sum(filter_reason(g["rewards"]) is None for g in gs)
-                if fresh:
-                    dispatcher.consumed(n_pulled, max(0, args.num_unique_prompts_per_step - useful[0]))
+                # The dispatcher counts as consumed only what active sampling takes this step (in order, until
+                # it has its groups): the surplus stays in flight until a later step takes it, so the prefetch
+                # window and the admission gate also bound the groups that wait here (else, when an engine
+                # delivers in bursts, e.g. drained updates, the surplus grows and so does the lag).
+                taken = n_pulled - len(gs)  # dropped as stale: consumed
+                for g in gs:
+                    if useful[0] >= args.num_unique_prompts_per_step:
+                        break
+                    taken += 1
+                    useful[0] += filter_reason(g["rewards"]) is None
+                dispatcher.consumed(taken, args.num_unique_prompts_per_step - useful[0])
                 return gs
 
             batch, extra, sel = active_sampling(pull_scored, args.num_unique_prompts_per_step,
                                                 args.max_prompts_per_step_factor * args.num_unique_prompts_per_step)
             leftover.extend(extra)
             counts.update(sel)
+            _, _, lags, first_lags = offpolicy_filter(batch, version)  # the lag of what this step trains on
             # The rewards of every prompt this step consumed, kept or filtered (surplus groups count
             # in the step that consumes them; a step fed from last step's surplus alone is not empty).
             surplus = {id(g) for g in extra}
