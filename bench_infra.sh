@@ -61,9 +61,11 @@
 # CPU default) and waits for its longest response before it takes the next batch. Continuous
 # batching keeps the slots filled from the prompts of the next ASYNC_STEPS steps. With drained
 # updates it still stops admitting at every learner step and drains before it loads the new
-# weights (streamed into its workers, at most about one update ahead of it: learner 0's stream waits
-# for a draining engine), so its engine is idle part of the time; inflight updates remove the drain. Under inflight updates a long sequence spans several
-# learner versions; the table's `token lag` column shows how many on average.
+# weights (streamed into its workers with no staging copy: learner 0's stream waits for a draining
+# engine), so its engine idles much of the time and it gains little over static batching (1.07-1.33x
+# generated tokens/s in three CPU runs); inflight updates remove the drain (2.3-3.1x). Under inflight
+# updates a long sequence spans several learner versions; the table's `token lag` column shows how
+# many on average.
 #
 # Peaks. MFU and MBU divide by the device's peaks. On GPUs these are the datasheet's; on CPU they are
 # measured once here, before the runs (an fp32 matmul and a memory copy on the cores an actor rank is

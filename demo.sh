@@ -44,7 +44,9 @@ if [ "$SHORT" = 1 ]; then
     SFT_ARGS=(--max_steps 4) DPO_ARGS=(--max_steps 3) RL_ARGS=(--num_training_steps 2 --eval_every 0)
     DATA_ARGS=(--num_sft 256 --num_preference 128 --num_rlvr 256 --num_eval 32)
 else
-    SFT_ARGS=(--num_train_epochs 3) DPO_ARGS=(--num_train_epochs 1) RL_ARGS=(--num_training_steps 50 --eval_every 25)
+    # a metrics line every 50 SFT steps (of 750) and every 25 DPO steps (of 125); the bars run in between
+    SFT_ARGS=(--num_train_epochs 3 --logging_steps 50) DPO_ARGS=(--num_train_epochs 1 --logging_steps 25)
+    RL_ARGS=(--num_training_steps 50 --eval_every 25)
     DATA_ARGS=()
 fi
 
