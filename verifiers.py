@@ -1249,10 +1249,14 @@ def tmpfs(dst, size_mb, mode="1777"):
 
 def reachable(root, path):
     # the path as the trainer names it (a symlinked venv) resolves inside too: link its first missing part
+    # that is a link; plain directories before it (e.g. a project dir under the private /tmp) are made
     parts, cur = path.strip("/").split("/"), ""
     for part in parts:
         cur += "/" + part
         if not os.path.lexists(root + cur):
+            if os.path.realpath(cur) == cur:  # a plain directory: a link to itself would be a loop
+                os.mkdir(root + cur)
+                continue
             os.symlink(os.path.realpath(cur), root + cur)
             return
 

@@ -906,9 +906,12 @@ def test_code_judges_common_assert_forms_here():
     assert plan[0] == [["exec", "n = 3"], ["exec", "xs = f(n)"], ["eval", ["xs"]], ["exec", "n = g()"], ["eval", ["n"]]]
 
 
-def test_venv_under_tmp_through_a_symlink(tmp_path):
+@pytest.mark.parametrize("link", ["link", "project/.venv"])
+def test_venv_under_tmp_through_a_symlink(tmp_path, link):
     """Finding 6: with the interpreter in a venv under /tmp (reached through a symlink) the sandbox
-    could not start it (the private /tmp hid it) and fell back; its packages must be importable too."""
+    could not start it (the private /tmp hid it) and fell back; its packages must be importable too.
+    project/.venv: the link sits in a plain directory that the sandbox's /tmp does not have (a clone
+    whose .venv links elsewhere); that directory used to become a link to itself (ELOOP)."""
     base = tempfile.mkdtemp(prefix="verifiers_test_venv_")
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", os.path.join(base, "venv")], check=True)
@@ -917,11 +920,12 @@ def test_venv_under_tmp_through_a_symlink(tmp_path):
         site = site.stdout.strip()
         with open(os.path.join(site, "venv_only_pkg.py"), "w") as f:
             f.write("VALUE = 42\n")
-        os.symlink(os.path.join(base, "venv"), os.path.join(base, "link"))
+        os.makedirs(os.path.dirname(os.path.join(base, link)), exist_ok=True)
+        os.symlink(os.path.join(base, "venv"), os.path.join(base, link))
         script = ("import json, verifiers as V\nr = V.verify('code', '```python\\nimport venv_only_pkg\\ndef f():\\n"
                   "    return venv_only_pkg.VALUE\\n```', ['assert f() == 42'])\n"
                   "print(json.dumps([V._sandbox_mode(), r.score, r.details]))")
-        out = subprocess.run([os.path.join(base, "link", "bin", "python"), "-c", script], capture_output=True,
+        out = subprocess.run([os.path.join(base, link, "bin", "python"), "-c", script], capture_output=True,
                              text=True, timeout=60, cwd="/", env={**os.environ, "PYTHONPATH": REPO})
         mode, score, details = json.loads(out.stdout.splitlines()[-1])
         assert mode == V._sandbox_mode() and score == 1.0, (mode, details, out.stderr[-2000:])
