@@ -1527,13 +1527,15 @@ def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, sh
         cmd += ["--symlink", target, link]
     for path in binds:
         cmd += ["--ro-bind", path, path]
+    linked = set()  # several paths (prefix, site-packages) share one link: bwrap refuses a second one
     for path in paths:  # the path as the trainer names it (a symlinked venv): link its first symlinked part
         parts = path.strip("/").split("/")
         for i in range(1, len(parts) + 1):
             part = "/" + "/".join(parts[:i])
             if os.path.realpath(part) != part:
-                if not any(part == b or part.startswith(b + "/") for b in binds):
+                if part not in linked and not any(part == b or part.startswith(b + "/") for b in binds):
                     cmd += ["--symlink", os.path.realpath(part), part]
+                    linked.add(part)
                 break
     for name in os.listdir(os.path.join(workdir, "files")):
         cmd += ["--ro-bind", os.path.join(workdir, "files", name), f"/tmp/{name}"]

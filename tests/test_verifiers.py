@@ -739,6 +739,20 @@ def test_bubblewrap_mode_where_it_is_installed(monkeypatch, shared_dir):
     assert os.listdir(shared_dir) == [] and not os.path.exists("/var/tmp/bwrap_marker")
 
 
+def test_bwrap_links_a_symlinked_venv_once(tmp_path, monkeypatch):
+    """The interpreter's prefix and its site-packages both lie under one symlinked venv: bubblewrap gets one
+    --symlink for it (a second one for the same path stops bwrap: "Can't make symlink ...: File exists")."""
+    real = tmp_path / "real"
+    (real / "lib" / "site-packages").mkdir(parents=True)
+    os.symlink(real, tmp_path / "venv")
+    paths = [str(tmp_path / "venv"), str(tmp_path / "venv" / "lib" / "site-packages")]
+    monkeypatch.setattr(V, "_root_layout", lambda: ([str(real)], [], paths))
+    (tmp_path / "work" / "files").mkdir(parents=True)
+    cmd = V._bwrap_command(["true"], str(tmp_path / "work"), [], 16, 16, 3)
+    links = [cmd[i + 1:i + 3] for i, c in enumerate(cmd) if c == "--symlink"]
+    assert links == [[str(real), str(tmp_path / "venv")]], links
+
+
 def test_no_isolation_refuses_code_unless_allowed(monkeypatch, caplog):
     monkeypatch.setattr(V, "_SANDBOX", {"mode": "none", "cgroup": V._SANDBOX.get("cgroup", {})})
     assert verify("code", py(GOOD_F), DOUBLE_TESTS).error == "sandbox_unavailable"
