@@ -211,6 +211,7 @@ def test_evaluate_scores_a_random_model_near_zero(toy_model_dir, toy_data_dir):
     assert result["accuracy"] <= 0.2
 
 
+@pytest.mark.slow  # needs the session's trained SFT model (about 6 min to build on 2 cores)
 def test_evaluate_sampled_pass_at_1_matches_greedy_at_near_zero_temperature(toy_sft_model_dir, toy_data_dir):
     # Near-zero temperature samples the argmax: the k samples of each prompt must score exactly as its
     # greedy answer does, which fails if repeated prompts and their scores were misaligned.
