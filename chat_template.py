@@ -11,15 +11,18 @@ Templates (`TEMPLATES`, rendered text identical to the released Olmo 3 tokenizer
                             `tool` / `environment` messages as an `environment` turn, the final
                             assistant turn ends with eos. With no system message it adds the released
                             default system turn ("You are a helpful function-calling AI assistant. ...").
-    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default.
+    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default; like the
+                            released Instruct template it prints empty calls and ignores `reasoning_content`.
     olmo3-think-dev         instruct-dev plus `<think>` in `add_generation_prompt` (olmo-3.2-tokenizer-think-dev).
-    olmo3-think-release     think-dev with the identity prompt (olmo-3.2-tokenizer-think-release).
+    olmo3-think-release     think-dev with the identity prompt and the release's empty calls
+                            (olmo-3.2-tokenizer-think-release).
 
 Each assistant turn is wrapped in a `{% generation %}` block (seed 002 / Olmo 3.5 placement): after
 the `<|im_start|>assistant\\n` header and before any generated `<think>`, covering `reasoning_content`
-(as `<think>...</think>`), the answer, the serialized tool calls and the closing token; the
-generation prompt and the `\\n` between turns stay outside. Labels come from those blocks, so an
-opening `<think>` in the data is trained even under a think template whose generation prompt adds it.
+(as `<think>...</think>`, except under olmo3-instruct-release: see below), the answer, the serialized
+tool calls and the closing token; the generation prompt and the `\\n` between turns stay outside.
+Labels come from those blocks, so an opening `<think>` in the data is trained even under a think
+template whose generation prompt adds it.
 
 Labeling (`tokenize_messages`):
   * templates with blocks: every block trains (`only_last_turn=False`), or, for preference data
@@ -44,8 +47,16 @@ Decisions on cases the Olmo 3 format leaves open:
     with `<|im_end|>\\n`, byte for byte as the released Olmo 3 / 3.1 Instruct templates render it
     (tests/data/olmo3_released_instruct.jinja is the released text; the tests compare renders). So a
     conversation that ends in a tool call is not a prefix of the one continued with the tool result.
-  * an empty `tool_calls` list or `function_calls` string renders as no call; the released template
-    would print an empty `<function_calls></function_calls>` for it.
+  * an empty `tool_calls` list or `function_calls` string: the release templates print an empty
+    `<function_calls></function_calls>`, as the released one does (it tests only `is not none`), so data
+    that stores `tool_calls: []` on plain turns trains on that text there; the dev templates render no call.
+    When both count as given, `function_calls` wins over `tool_calls`. An assistant turn with content
+    None, empty calls and no reasoning drops the row (`missing_content`).
+  * `reasoning_content`: olmo3-instruct-release ignores it, as the released Instruct template does
+    (counted as the warning `reasoning_content_ignored`); a turn with nothing else (no content, no calls)
+    would train on its closing token alone and drops the row (`reasoning_content_not_rendered`, also
+    for any other template that never reads the field). The think and dev templates render it as
+    `<think>...</think>` before the content.
   * tool call `arguments` given as a JSON string (the OpenAI wire format) are parsed into a dict
     before rendering, so they serialize as `key=json(value)`; a string that is not a JSON object drops
     the row (`bad_tool_call`). Flat calls `{"name", "arguments"}` are accepted like
@@ -173,16 +184,13 @@ _TEMPLATE_LINES = [
     "{%- elif message['role'] == 'user' -%}",
     "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}",
     "{%- elif message['role'] == 'assistant' -%}",
-    ("{%- set has_function_calls = message.get('function_calls', none) is not none"
-     " and (message['function_calls'] | length) > 0 -%}"),
-    "{%- set has_tool_calls = message.get('tool_calls', none) is not none and (message['tool_calls'] | length) > 0 -%}",
+    "{%- set has_function_calls = message.get('function_calls', none) is not none__FC_NONEMPTY__ -%}",
+    "{%- set has_tool_calls = message.get('tool_calls', none) is not none__TC_NONEMPTY__ -%}",
     "{{- '<|im_start|>assistant\\n' -}}",
     # Seed 002: the block starts after the header and before any generated <think>; it covers
     # reasoning, answer, tool calls and the closing token. The separator `\n` stays outside.
     "{%- generation -%}",
-    "{%- if message.get('reasoning_content', none) is not none -%}",
-    "{{- '<think>' + message['reasoning_content'] + '</think>' -}}",
-    "{%- endif -%}",
+    "__REASONING__",
     "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}",
     "{%- if has_function_calls -%}",
     "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}",
@@ -229,10 +237,21 @@ _TEMPLATE_LINES = [
 ]
 
 
+_REASONING = ("{%- if message.get('reasoning_content', none) is not none -%}"
+              "{{- '<think>' + message['reasoning_content'] + '</think>' -}}{%- endif -%}")
+
+
 def _build(release: bool, think: bool) -> str:
+    # The released templates test calls with `is not none` only (an empty list or string prints an empty
+    # <function_calls></function_calls>); the dev variants also require a non-empty value. The released
+    # Instruct template has no reasoning_content; the think and dev variants render it as <think>..</think>.
+    nonempty = "" if release else " and (message['{}'] | length) > 0"
     return ("".join(_TEMPLATE_LINES)
             .replace("__SYSTEM__", OLMO_IDENTITY if release else DEV_SYSTEM)
-            .replace("__THINK__", "<think>" if think else ""))
+            .replace("__THINK__", "<think>" if think else "")
+            .replace("__FC_NONEMPTY__", nonempty.format("function_calls"))
+            .replace("__TC_NONEMPTY__", nonempty.format("tool_calls"))
+            .replace("__REASONING__", "" if release and not think else _REASONING))
 
 
 TEMPLATES: dict[str, str] = {
@@ -553,6 +572,21 @@ def apply_over_length(tokenizer, input_ids, labels, max_length, over_length_stra
     return list(input_ids[:max_length]), list(labels[:max_length])  # truncate
 
 
+def _check_reasoning_rendered(messages, template: str, warnings=None) -> None:
+    """A template that never reads `reasoning_content` (olmo3-instruct-release, as released) leaves it out.
+    An assistant turn with nothing else would render empty and train on its closing token alone: the row
+    drops (`reasoning_content_not_rendered`); otherwise each ignored field is counted as a warning."""
+    if "reasoning_content" in template:
+        return
+    for message in messages:
+        if message.get("role") != "assistant" or message.get("reasoning_content") is None:
+            continue
+        if not (message.get("content") or message.get("tool_calls") or message.get("function_calls")):
+            raise DroppedRow("reasoning_content_not_rendered", "the template ignores an assistant turn's only text")
+        if warnings is not None:
+            warnings["reasoning_content_ignored"] += 1
+
+
 def tokenize_messages(tokenizer, messages, tools=None, chat_template=None, max_length=None,
                       over_length_strategy="drop", only_last_turn=False, warnings=None) -> dict:
     """Render `messages` and return `input_ids` and `labels` (-100 where a token is not trained).
@@ -567,6 +601,7 @@ def tokenize_messages(tokenizer, messages, tools=None, chat_template=None, max_l
         raise DroppedRow("no_final_assistant")
     messages, tools = _normalize(messages, tools)
     template = _resolve_template(tokenizer, chat_template)
+    _check_reasoning_rendered(messages, template, warnings)
     out = _label_conversation(tokenizer, messages, tools, template, only_last_turn, warnings)
     labels = [t if m else -100 for t, m in zip(out["input_ids"], out["mask"])]
     input_ids, labels = apply_over_length(tokenizer, out["input_ids"], labels, max_length, over_length_strategy)
@@ -578,6 +613,7 @@ def tokenize_prompt(tokenizer, messages, tools=None, chat_template=None) -> list
     validate_messages(messages)
     messages, tools = _normalize(messages, tools)
     template = _resolve_template(tokenizer, chat_template)
+    _check_reasoning_rendered(messages, template)
     try:
         text = _render(template, messages, tools, True, _special_tokens(tokenizer))[0]
     except Exception as e:  # noqa: BLE001 - e.g. an external template's raise_exception()
@@ -1020,11 +1056,12 @@ COMMON_UNSUPPORTED_FLAGS = {
     "deepspeed_stage": "not needed here: FSDP2 shards the model (sft.py / dpo.py: --use_fsdp, turned on by itself "
                        "when the model does not fit one GPU; grpo.py: automatic with several learners)",
     "zero_hpz_partition_size": "not needed here: FSDP2 replaces DeepSpeed ZeRO (see --deepspeed_stage)",
-    "use_flash_attn": "not needed here: attention is PyTorch sdpa, which keeps packed conversations apart",
+    "use_flash_attn": "not needed here: flash attention 2 is chosen by itself on GPU when the flash_attn package "
+                      "is installed and a forward holds one row (sft.py / dpo.py: --per_device_train_batch_size 1; "
+                      "grpo.py: always), else PyTorch sdpa; both keep packed conversations apart",
     "tokenizer_name": "not needed here: the tokenizer is loaded from --model_name_or_path",
     "tokenizer_name_or_path": "not needed here: the tokenizer is loaded from --model_name_or_path",
     "use_slow_tokenizer": ({"false"}, "only the fast tokenizer is used (trained-token labels need its offsets)"),
-    "mixer_list": "use --dataset_mixer_list SOURCE AMOUNT ...",
     "max_train_samples": "use a row count as the amount in --dataset_mixer_list (e.g. SOURCE 150000)",
     **{name: LAUNCHER_NOT_NEEDED for name in (
         "eval_workspace", "eval_priority", "oe_eval_tasks", "oe_eval_max_length", "oe_eval_gpu_multiplier",

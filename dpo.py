@@ -133,6 +133,7 @@ class Args:
     model_name_or_path: str = field(default=None, metadata={
         "help": "HF model directory or hub id (offline: a local dir); usually the SFT model"})
     dataset_mixer_list: list[str] = field(default_factory=list, metadata={
+        "aliases": ["--mixer_list"],
         "help": "source / amount pairs of preference data (`chosen` / `rejected` message lists): "
                 "`a.jsonl 1.0 org/b 500`"})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
@@ -207,10 +208,14 @@ class Args:
 
 
 # Flags of open-instruct's Olmo 3 DPO launch scripts (scripts/train/olmo3/7b_*_dpo.sh, dpo_tune_cache.py) that
-# this script does not take, with what to use instead. All of them are ones every stage refuses
+# this script does not take are all refused by every stage, each with what to use instead
 # (chat_template.COMMON_UNSUPPORTED_FLAGS: DeepSpeed, Beaker / oe-eval, --with_tracking, ...); open-instruct's
-# names of the options we share are aliases in `Args` (see --help).
-UNSUPPORTED_FLAGS: dict = {}
+# names of the options we share are aliases in `Args` (see --help). Refused here: grpo.py's names for the
+# same ideas, which count differently at 0 / -1.
+UNSUPPORTED_FLAGS: dict = {
+    "num_training_steps": "use --max_steps (optimizer steps; overrides --num_train_epochs when > 0)",
+    "eval_every": "use --eval_steps N (0: only before training and at the end; grpo.py's --eval_every 0 is never)",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,6 +589,15 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, max(steps, key=lambda d: int(d.split("_")[1]))) if steps else None
 
 
+def resume_checkpoint(output_dir: str, resume: bool, is_main: bool) -> str | None:
+    """The checkpoint this run continues from: with --resume, the latest complete one; None without --resume
+    or when there is none yet (the run starts fresh, so a preemptible job can always pass --resume)."""
+    latest = latest_checkpoint(output_dir) if resume else None
+    if resume and latest is None and is_main:
+        print(f"--resume: no checkpoint in {output_dir}/checkpoints, starting from scratch", flush=True)
+    return latest
+
+
 def fsync_dir(path: str) -> None:
     """Flush every file under `path` and the directory entries themselves to disk (plumbing)."""
     for root, _, files in os.walk(path):
@@ -730,9 +744,7 @@ def main():
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)
 
     # ---- model --------------------------------------------------------------------------------
-    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
-    if args.resume and resume_from is None and is_main:
-        print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch")
+    resume_from = resume_checkpoint(args.output_dir, args.resume, is_main)
     # Always the initial weights here: the reference pass below needs them; resumed full weights are
     # loaded after it.
     weights_from = args.model_name_or_path

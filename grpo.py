@@ -139,6 +139,7 @@ class Args:
     model_name_or_path: str = field(default="toy_model", metadata={
         "help": "HF model directory or hub name (the SFT or DPO checkpoint)."})
     dataset_mixer_list: list[str] = field(default_factory=lambda: ["toy_data/rlvr.jsonl", "1.0"], metadata={
+        "aliases": ["--mixer_list"],
         "help": "RLVR sources and fractions/counts: `a.jsonl 1.0 org/b 500`. Rows: messages, ground_truth, verifier."})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
         "help": "Split of each Hub source: one for all or one per source (Olmo 3: train)."})
@@ -256,6 +257,12 @@ class Args:
 UNSUPPORTED_FLAGS = {
     "total_episodes": "use --num_training_steps: episodes = steps x num_unique_prompts_per_step x "
                       "num_samples_per_prompt (Olmo 3 7B Think: 10000000 / (64 x 8) = 19531 steps)",
+    # sft.py / dpo.py names; not aliases: -1 (no limit there) and 0 (eval only at the ends there) differ here.
+    **dict.fromkeys(("max_steps", "max_train_steps"),
+                    "use --num_training_steps: learner steps, each one rollout batch (sft.py / dpo.py call their "
+                    "optimizer steps --max_steps; here --num_mini_batches optimizer steps make one learner step)"),
+    "eval_steps": "use --eval_every N: evaluates before step 0, every N steps and after the last (0: never; "
+                  "dpo.py's --eval_steps 0 still evaluates before and after)",
     "num_learners_per_node": "use --num_learners, the total over nodes (8 8 -> 16): torchrun ranks "
                              "[0, num_learners) learn, the others run one vLLM engine each",
     "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
@@ -1864,9 +1871,7 @@ def main():
         for name in ("prompts", "data", "weights"):
             groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
         groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
-    latest = latest_checkpoint(args.output_dir) if args.resume else None
-    if args.resume and latest is None and rank == 0:
-        print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch", flush=True)
+    latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
     model_path = latest or args.model_name_or_path
 
     def on_sigterm(signum, frame):
@@ -1902,24 +1907,42 @@ def main():
     os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
 
 
-def check_rlvr_rows(dataset, flag: str, limit: int = 20) -> None:
+def check_rlvr_rows(dataset, flag: str, limit: int = 20, allow_unsandboxed_code: bool = False) -> None:
     """Stop before any training on rows that can never earn a reward, naming each by file and line: no
-    ground truth, malformed messages, an unknown verifier name, labels that do not fit the verifiers.
-    (Unchecked, an unknown verifier scores every sample 0 and the steps train on nothing.)"""
+    ground truth, malformed messages, an unknown verifier name, labels that do not fit the verifiers; and
+    code rows where no sandbox exists and --allow_unsandboxed_code is off (the verifiers refuse them).
+    (Unchecked, an unknown verifier scores every sample 0 and the steps train on nothing; refused code
+    rows are infrastructure failures, dropped from every step, silently while under --max_infra_failure_rate.)"""
     import chat_template
     import verifiers
 
-    problems = {}
+    problems, code_rows = {}, []
     for row in dataset:
         where = f"{row.get('source')}:{row.get('source_line')}"
         if where not in problems:  # an upsampled source repeats its rows
+            verifier = chat_template.rlvr_verifier(row)
             problems[where] = chat_template.rlvr_row_problem(row) or verifiers.row_problem(
-                chat_template.rlvr_verifier(row), row.get("ground_truth"))
-    bad = [(where, reason) for where, reason in problems.items() if reason]
+                verifier, row.get("ground_truth"))
+            if not problems[where] and verifiers.runs_code(verifier, row.get("ground_truth")):
+                code_rows.append(where)
+
+    def listed(items):
+        return "".join(f"\n  {item}" for item in items[:limit]) + (
+            f"\n  ... and {len(items) - limit} more" if len(items) > limit else "")
+
+    bad = [f"{where}: {reason}" for where, reason in problems.items() if reason]
     if bad:
-        shown = "".join(f"\n  {where}: {reason}" for where, reason in bad[:limit])
         raise ValueError(f"{flag}: {len(bad)} row(s) can never be scored, so nothing was trained (fix or remove "
-                         f"them):{shown}" + (f"\n  ... and {len(bad) - limit} more" if len(bad) > limit else ""))
+                         f"them):{listed(bad)}")
+    if code_rows and not allow_unsandboxed_code and verifiers.sandbox_mode() == "none":
+        raise ValueError(
+            f"{flag}: {len(code_rows)} row(s) use the code / code_stdio verifiers, which run model-written code, "
+            f"and this machine has no sandbox for it ({verifiers.sandbox_description()}), so they would be refused "
+            "and dropped from every step. Install bubblewrap (bwrap), or enable unprivileged user namespaces "
+            "(sysctl user.max_user_namespaces > 0; kernel.unprivileged_userns_clone=1 on Debian; "
+            "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 24.04+; a container must allow unshare), "
+            "or pass --allow_unsandboxed_code to run it as this user with no isolation, or remove these rows:"
+            f"{listed(code_rows)}")
 
 
 def learner(args, rank, world_size, num_learners, is_main, device, groups, actor_ranks, latest, model_path) -> int:
@@ -1994,12 +2017,13 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
     train_ds = eval_ds = probe_ids = None
     if is_main:
         raw = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
-        check_rlvr_rows(raw, "--dataset_mixer_list")
+        check_rlvr_rows(raw, "--dataset_mixer_list", allow_unsandboxed_code=args.allow_unsandboxed_code)
         train_ds, drops = chat_template.tokenize_rlvr(raw, tokenizer, args.max_prompt_length, args.chat_template)
         if args.eval_dataset_mixer_list:
             raw_eval = chat_template.load_mixture(args.eval_dataset_mixer_list,
                                                   split=args.eval_dataset_mixer_list_splits, seed=args.seed)
-            check_rlvr_rows(raw_eval, "--eval_dataset_mixer_list")
+            check_rlvr_rows(raw_eval, "--eval_dataset_mixer_list",
+                            allow_unsandboxed_code=args.allow_unsandboxed_code)
             eval_ds, _ = chat_template.tokenize_rlvr(raw_eval, tokenizer, args.max_prompt_length, args.chat_template)
         if len(train_ds) == 0:
             raise ValueError(f"no training prompts left after tokenization (dropped: {dict(drops)}); "
@@ -2582,6 +2606,15 @@ def latest_checkpoint(output_dir: str) -> str | None:
     steps = [d for d in os.listdir(root) if d.startswith("step_")] if os.path.isdir(root) else []
     steps = [d for d in steps if os.path.isfile(os.path.join(root, d, "training_state.pt"))]
     return os.path.join(root, max(steps, key=lambda d: int(d.split("_")[1]))) if steps else None
+
+
+def resume_checkpoint(output_dir: str, resume: bool, is_main: bool) -> str | None:
+    """The checkpoint this run continues from: with --resume, the latest complete one; None without --resume
+    or when there is none yet (the run starts fresh, so a preemptible job can always pass --resume)."""
+    latest = latest_checkpoint(output_dir) if resume else None
+    if resume and latest is None and is_main:
+        print(f"--resume: no checkpoint in {output_dir}/checkpoints, starting from scratch", flush=True)
+    return latest
 
 
 def fsync_dir(path: str) -> None:

@@ -97,6 +97,7 @@ class Args:
     model_name_or_path: str = field(default=None, metadata={
         "help": "HF model directory or hub id (offline: a local dir)"})
     dataset_mixer_list: list[str] = field(default_factory=list, metadata={
+        "aliases": ["--mixer_list"],
         "help": "source / amount pairs: `a.jsonl 1.0 org/b 500` (a fraction <= 1 or a row count per source)"})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
         "help": "split of each Hub source: one for all or one per source (Olmo 3: train)"})
@@ -161,6 +162,9 @@ UNSUPPORTED_FLAGS = {
     "dataset_path": "use --dataset_mixer_list SOURCE 1.0 with chat data (messages), e.g. allenai/Dolci-Think-SFT-7B; "
                     "OLMo-core's pre-tokenized numpy files are not read",
     "dataset_mixer_eval_list": "not needed here: sft.py has no held-out evaluation",
+    # grpo.py's names of the same ideas
+    "num_training_steps": "use --max_steps (optimizer steps; overrides --num_train_epochs when > 0)",
+    "eval_every": "not needed here: sft.py has no held-out evaluation",
 }
 
 
@@ -493,6 +497,15 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return os.path.join(root, max(steps, key=lambda d: int(d.split("_")[1]))) if steps else None
 
 
+def resume_checkpoint(output_dir: str, resume: bool, is_main: bool) -> str | None:
+    """The checkpoint this run continues from: with --resume, the latest complete one; None without --resume
+    or when there is none yet (the run starts fresh, so a preemptible job can always pass --resume)."""
+    latest = latest_checkpoint(output_dir) if resume else None
+    if resume and latest is None and is_main:
+        print(f"--resume: no checkpoint in {output_dir}/checkpoints, starting from scratch", flush=True)
+    return latest
+
+
 def fsync_dir(path: str) -> None:
     """Flush every file under `path` and the directory entries themselves to disk (plumbing)."""
     for root, _, files in os.walk(path):
@@ -623,9 +636,7 @@ def main():
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)
 
     # ---- model --------------------------------------------------------------------------------
-    resume_from = latest_checkpoint(args.output_dir) if args.resume else None
-    if args.resume and resume_from is None and is_main:
-        print(f"--resume: no checkpoint in {args.output_dir}/checkpoints, starting from scratch")
+    resume_from = resume_checkpoint(args.output_dir, args.resume, is_main)
     weights_from = resume_from if (resume_from and not args.use_lora) else args.model_name_or_path
     rows_per_forward = args.per_device_train_batch_size  # each row up to max_seq_length tokens
     # Weights stay fp32 (master weights, fp32 optimizer state); with --bf16 (default on GPU) compute runs

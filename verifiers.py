@@ -38,7 +38,8 @@ Verifiers (`VERIFIERS`, name -> plain function `(response, label) -> score or Ve
                   words (whitespace), or in tokens when `num_tokens=` is passed.
 
 Every response first loses its <think>...</think> section (an unclosed <think> means the answer
-never came). A row may name several verifiers with parallel labels (`verify_row`): score = mean,
+never came; `ifeval` alone, as open-instruct's IFEvalG reward, checks the whole text when there is no
+</think>). A row may name several verifiers with parallel labels (`verify_row`): score = mean,
 error if any part errored.
 
 Errors. `VerifierResult.error` is None or a short reason. A wrong answer is score 0, error None.
@@ -66,7 +67,10 @@ limit, and with the caller when the caller is killed; what a killed pool worker 
 removed by the pool. A cgroup per run (where one can be made: root, or a delegated v2 subtree)
 bounds the memory (tmpfs included) and processes of the whole sandbox to `code_memory_mb` and 64;
 without one, 4 processes of a quarter of the budget each. With no usable namespaces (mode "none")
-code verifiers return "sandbox_unavailable" unless `allow_unsandboxed_code`. `sandbox_description()`
+code verifiers return "sandbox_unavailable" unless `allow_unsandboxed_code`; then the program runs as
+the caller, unisolated, below a launcher that is a child subreaper and kills everything below it when
+the program ends, times out or the caller dies (setsid and double forks included; running as the
+caller, a hostile program can still kill the launcher, or the caller). `sandbox_description()`
 says which mode this machine gets. Verdicts are decided here: for `code`, the sandbox only reports
 the values of the parts of each assert that need the program (`f(2)` of `assert f(2) == 4`) and
 this process compares them, so exiting early, forging output, patching builtins or `__eq__` cannot
@@ -168,8 +172,14 @@ def strip_think(text: str) -> str:
     return "".join(out).replace("</think>", "").strip()
 
 
+# Labels arrive as Python values or as JSON text: a dataset may store structure as a JSON string (code
+# tests, IFEval instructions), and the loader writes every non-string value of a column that mixes them
+# with strings as its JSON text (chat_template._load_json_file). So where a label is structure (code,
+# code_stdio, ifeval, max_length, llm_judge dicts, a row's parallel labels) JSON text is decoded; where it
+# is text (math, gsm8k, string_match, string_f1) a string is the answer exactly as written ("[1, 2]",
+# "1e3", '"quoted"'), except a JSON list of strings, which is how a list of acceptable answers arrives.
 def _maybe_json(label: Any) -> Any:
-    """Datasets store structured labels as JSON strings; accept those and Python objects alike."""
+    """A structured label: JSON text decoded, Python objects as they are."""
     if isinstance(label, str) and label.strip()[:1] in ("[", "{", '"'):
         try:
             return json.loads(label)
@@ -181,6 +191,24 @@ def _maybe_json(label: Any) -> Any:
 def _as_list(label: Any) -> list:
     label = _maybe_json(label)
     return list(label) if isinstance(label, (list, tuple)) else [label]
+
+
+_TEXT_LABELS = ("math", "gsm8k", "string_match", "string_f1")
+
+
+def _answers(label: Any) -> list:
+    """The acceptable answers of a text label: a list's items; a string as written, unless it is a JSON list
+    of strings (several answers, as the loader writes a list in a mixed column)."""
+    if isinstance(label, (list, tuple)):
+        return list(label)
+    if isinstance(label, str) and label.lstrip().startswith("["):
+        try:
+            decoded = json.loads(label)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, list) and decoded and all(isinstance(g, str) for g in decoded):
+            return decoded
+    return [label]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,11 +299,8 @@ def math(response: str, label: Any, math_timeout: int = 5) -> VerifierResult:
         return _fail("no_answer")
     t = int(math_timeout) if _signal_timeout_ok() and math_timeout else None
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    golds = label if isinstance(label, (list, tuple)) else [label]
-    decoded = _maybe_json(label) if isinstance(label, str) else None
-    if isinstance(decoded, list) and decoded and all(isinstance(g, str) for g in decoded):
-        golds = decoded  # '["1/2", "0.5"]': several acceptable answers; "[1, 2]" stays an interval
-    golds = [g for g in golds if g is not None and str(g).strip()]
+    # '["1/2", "0.5"]': several acceptable answers; "[1, 2]" stays an interval
+    golds = [g for g in _answers(label) if g is not None and str(g).strip()]
     if not golds:
         return _fail("bad_label", pred)
     if t is None and _SYMPY_UNSAFE.search(pred):
@@ -1055,9 +1080,10 @@ def _ifeval_instructions(label: Any) -> list[tuple[str, dict]]:
 
 
 def _answer_text(response: str) -> str:
-    """The part that is checked, as open-instruct's reward takes it: what follows the last </think>, without
-    <answer> tags. With no </think>, `strip_think` (an unclosed <think> leaves no answer)."""
-    text = response.rsplit("</think>", 1)[1] if "</think>" in response else strip_think(response)
+    """The part that is checked, as open-instruct's IFEvalG reward takes it: what follows the last </think>,
+    without <answer> tags. With no </think> the whole text is checked, an unclosed <think> included (the
+    reference splits on </think> only; the other verifiers' `strip_think` would leave no answer)."""
+    text = response.rsplit("</think>", 1)[1] if "</think>" in response else response
     return text.replace("<|assistant|>", "").replace("<answer>", "").replace("</answer>", "").strip()
 
 
@@ -1116,7 +1142,7 @@ def string_match(response: str, label: Any) -> VerifierResult:
     pred = normalize_answer(_short_answer(response))
     if not pred:
         return _fail("no_answer")
-    return VerifierResult(float(any(pred == normalize_answer(g) for g in _as_list(label))), None, pred)
+    return VerifierResult(float(any(pred == normalize_answer(g) for g in _answers(label))), None, pred)
 
 
 def _f1(pred: str, gold: str) -> float:
@@ -1137,7 +1163,7 @@ def string_f1(response: str, label: Any) -> VerifierResult:
     pred = _short_answer(response)
     if not normalize_answer(pred):
         return _fail("no_answer")
-    return VerifierResult(max(_f1(pred, str(g)) for g in _as_list(label)), None, pred[:200])
+    return VerifierResult(max(_f1(pred, str(g)) for g in _answers(label)), None, pred[:200])
 
 
 def _length_and_target(response: str, label: Any, num_tokens: int | None) -> tuple[int, float, float]:
@@ -1543,11 +1569,111 @@ def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, sh
             json.dumps([status_fd, rlimits, argv])]
 
 
+# Mode none has no pid namespace or cgroup to end a run with, and a process group does not hold a
+# program that calls setsid(). This launcher is a child subreaper (orphans below it come to it, not
+# to pid 1): when the shell that waits for the program exits, or on SIGTERM (a timeout; the caller
+# died: pdeathsig), it freezes everything below it with SIGSTOP (no fork can race the kill), kills
+# it, reaps it, and exits with the shell's status. The program runs in a session of its own, so
+# that its killpg(0) does not reach the launcher.
+_REAPER = """
+import ctypes, json, os, signal, sys, time
+argv, caller = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGCHLD})
+rc = 128 + signal.SIGKILL
+if os.getppid() == caller:  # else the caller died before pdeathsig was set
+    shell = os.fork()
+    if shell == 0:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            os.setsid()
+            os.execvp(argv[0], argv)
+        finally:
+            os._exit(127)
+    running = True
+    while running:
+        if signal.sigwait({signal.SIGTERM, signal.SIGCHLD}) == signal.SIGTERM:
+            break
+        try:  # reap as they end: the shell, and orphans that came to us
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            while pid:
+                if pid == shell:
+                    rc, running = os.waitstatus_to_exitcode(status), False
+                    rc = 128 - rc if rc < 0 else rc
+                pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            running = False
+
+
+def below():
+    children = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(name))
+        except (OSError, ValueError, IndexError):
+            pass
+    out, todo = [], [os.getpid()]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    pids = below()
+    while True:  # freeze until no new process shows up: a stopped process forks no more
+        signal_all(pids, signal.SIGSTOP)
+        more = set(below()) - set(pids)
+        if not more:
+            break
+        pids += more
+    signal_all(pids, signal.SIGKILL)
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        break  # nothing below us is left
+    time.sleep(0.005)
+else:
+    print("unsandboxed run: processes below its launcher survived SIGKILL", file=sys.stderr)
+os._exit(rc)
+"""
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads whose real uid is `uid` (what RLIMIT_NPROC counts)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("Uid:", "Threads:")))
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return count
+
+
 def _unsandboxed_command(argv: list[str], rlimits: list) -> list[str]:
     # The program's parent is a shell that waits for it, not this process: `os.kill(os.getppid(),
-    # SIGKILL)` then takes down the shell, never the trainer.
-    return ["prlimit", *(f"--{name[7:].lower()}={soft}:{hard}" for name, soft, hard in rlimits),
-            "sh", "-c", '"$@"; exit $?', "sh", *argv]
+    # SIGKILL)` then takes down the shell, never the trainer. The launcher (_REAPER) ends the rest.
+    cmd = ["prlimit", *(f"--{name[7:].lower()}={soft}:{hard}" for name, soft, hard in rlimits),
+           "sh", "-c", '"$@"; exit $?', "sh", *argv]
+    return [sys.executable, "-I", "-S", "-c", _REAPER, json.dumps([cmd, os.getpid()])]
 
 
 def _in_cgroup(cmd: list[str], cgroups: list[str]) -> list[str]:
@@ -1565,6 +1691,10 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
         cgroups = _make_cgroup(_SANDBOX["cgroup"], os.path.basename(workdir), memory_mb, _NPROC)
     rlimits, nproc, tmp_mb, shm_mb = _limits(timeout, memory_mb, cgroups is not None)
     if mode == "none":
+        # RLIMIT_NPROC counts every task of the uid, here the trainer's own (a trainer has many): the
+        # program's share comes on top of those, the launcher and its shell.
+        used = _tasks_of(os.getuid()) + 2
+        rlimits = [(n, s + used, h + used) if n == "RLIMIT_NPROC" else (n, s, h) for n, s, h in rlimits]
         cmd, cwd, env = _unsandboxed_command(argv, rlimits), os.path.join(workdir, "files"), _sandbox_env()
         env["HOME"] = env["TMPDIR"] = cwd
     elif mode == "bwrap":
@@ -1587,8 +1717,15 @@ def _kill_sandbox(proc: subprocess.Popen, mode: str) -> None:
     namespace's init, a child of unshare: kill it first, so that the kernel kills and reaps the
     rest of the namespace and unshare reaps the init. Killing unshare at the same moment would
     orphan the init to this machine's pid 1, which may reap zombies only every few seconds (and a
-    zombie still counts against the sandbox's RLIMIT_NPROC)."""
-    if proc.poll() is None and mode != "none":
+    zombie still counts against the sandbox's RLIMIT_NPROC). In mode none the launcher (_REAPER) ends
+    everything below it on SIGTERM; the session kill is for a launcher that did not."""
+    if proc.poll() is None and mode == "none":
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=12)
+        except subprocess.TimeoutExpired:
+            pass
+    elif proc.poll() is None:
         try:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                 for child in f.read().split():
@@ -1658,6 +1795,11 @@ def _sandbox_mode() -> str:
             logger.warning("code sandbox unavailable: %s", why or "no unshare / setpriv (util-linux)")
         _SANDBOX["mode"] = mode
         return mode
+
+
+def sandbox_mode() -> str:
+    """The sandbox mode model-written code runs in here (namespace, userns, bwrap; none: no isolation)."""
+    return _sandbox_mode()
 
 
 def sandbox_description() -> str:
@@ -2249,7 +2391,7 @@ def _split_row(verifier: Any, label: Any) -> list[tuple[str, Any]]:
         return [(names, label)]
     names = list(names)
     if len(names) == 1:  # one verifier: a one-element label list is unwrapped, a longer one is its labels
-        labels = _maybe_json(label)
+        labels = _answers(label) if _canonical(names[0]) in _TEXT_LABELS else _maybe_json(label)
         if isinstance(labels, (list, tuple)) and len(labels) == 1:
             return [(names[0], labels[0])]
         return [(names[0], label)]
@@ -2295,6 +2437,14 @@ def row_problem(verifier: Any, label: Any) -> str | None:
         if tests and all(_plan_test(t, set()) is None for t in tests):
             return "no code test is a top-level assert statement (e.g. `assert f(2) == 4`): none can be judged"
     return None
+
+
+def runs_code(verifier: Any, label: Any) -> bool:
+    """Whether scoring a dataset row runs model-written code (it has a code or code_stdio part)."""
+    try:
+        return any(_canonical(name) in ("code", "code_stdio") for name, _ in _split_row(verifier, label))
+    except (ValueError, TypeError):
+        return False
 
 
 def _error_keys(result: VerifierResult) -> list[str]:

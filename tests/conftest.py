@@ -19,6 +19,16 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import toy  # noqa: E402
 
 
+@pytest.fixture
+def sandbox():
+    """For tests that run model-written code the default way: where this machine has no isolation for it
+    (no unshare / setpriv that work, no bubblewrap) code verifiers refuse to run, and the test is skipped."""
+    import verifiers
+
+    if verifiers._sandbox_mode() == "none":
+        pytest.skip("no code sandbox here (no working unshare / user namespaces, no bubblewrap): code verifiers refuse")
+
+
 @pytest.fixture(scope="session")
 def toy_model_dir(tmp_path_factory):
     """A randomly initialised tiny Olmo3ForCausalLM with the Olmo 3 tokenizer and template."""

@@ -89,8 +89,8 @@ def _write(path, rows):
     return str(path)
 
 
-@pytest.mark.parametrize("as_lists", [False, True], ids=["strings", "one_element_lists"])
-def test_dolci_rows_load_and_score_for_every_verifier(toy_model_dir, tmp_path, judge_url, as_lists):
+def _load_rows(toy_model_dir, tmp_path, as_lists):
+    """The rows as a trainer gets them (loaded, tokenized), by verifier name."""
     rows = [{**r, "ground_truth": [r["ground_truth"]], "dataset": [r["dataset"]]} if as_lists else r for r in ROWS]
     data = chat_template.load_mixture([_write(tmp_path / "rl.jsonl", rows), "1.0"], split=["train"])
     tok = AutoTokenizer.from_pretrained(toy_model_dir)
@@ -103,12 +103,21 @@ def test_dolci_rows_load_and_score_for_every_verifier(toy_model_dir, tmp_path, j
         prompt = tok.decode(row["prompt_input_ids"])
         assert prompt.endswith("<|im_start|>assistant\n") and "Paris." not in prompt
     assert sorted(by_name) == sorted(r["dataset"] for r in ROWS)
-    for name in ("math", "ifeval", "code", "code_stdio"):
-        row = by_name[name]
-        good = verifiers.verify_row(row["verifier"], GOOD[name], row["ground_truth"])
-        bad = verifiers.verify_row(row["verifier"], BAD[name], row["ground_truth"])
-        assert (good.score, good.error, bad.score, bad.error) == (1.0, None, 0.0, None), (name, good, bad)
-        assert good.verifier == name
+    return by_name
+
+
+def _good_and_bad_score(row, name):
+    good = verifiers.verify_row(row["verifier"], GOOD[name], row["ground_truth"])
+    bad = verifiers.verify_row(row["verifier"], BAD[name], row["ground_truth"])
+    assert (good.score, good.error, bad.score, bad.error) == (1.0, None, 0.0, None), (name, good, bad)
+    assert good.verifier == name
+
+
+@pytest.mark.parametrize("as_lists", [False, True], ids=["strings", "one_element_lists"])
+def test_dolci_rows_load_and_score_for_every_verifier(toy_model_dir, tmp_path, judge_url, as_lists):
+    by_name = _load_rows(toy_model_dir, tmp_path, as_lists)
+    for name in ("math", "ifeval"):
+        _good_and_bad_score(by_name[name], name)
     for name, question, reference in (("general-quality", "Write a haiku about rain.", ""),
                                       ("general-quality_ref", "What is the capital of France?", "Paris")):
         row = by_name[name]
@@ -123,3 +132,36 @@ def test_judge_rows_mixed_with_other_verifiers_keep_their_labels():
     assert chat_template._is_judge("general-quality_ref") and chat_template._is_judge(["general-quality"])
     assert chat_template._is_judge('["llm_judge"]') and not chat_template._is_judge(["math", "general-quality"])
     assert not chat_template._is_judge("math") and not chat_template._is_judge("ifeval")
+
+
+# Dolci's own ifeval label: a string holding a Python literal (single quotes, None), not JSON.
+DOLCI_IFEVAL = ("[{'instruction_id': ['punctuation:no_comma', 'detectable_format:number_highlighted_sections'], "
+                "'kwargs': [None, {'num_highlights': 2}]}]")
+
+
+@pytest.mark.parametrize("as_lists", [False, True], ids=["strings", "one_element_lists"])
+def test_dolci_ifeval_literal_label_loads_and_scores_the_fraction(toy_model_dir, tmp_path, as_lists):
+    import grpo
+
+    prompt = [{"role": "user", "content": "Describe the sea with two *highlighted* parts and no commas."}]
+    row = {"messages": prompt, "ground_truth": [DOLCI_IFEVAL] if as_lists else DOLCI_IFEVAL,
+           "dataset": ["ifeval"] if as_lists else "ifeval"}
+    data = chat_template.load_mixture([_write(tmp_path / "rl.jsonl", [row]), "1.0"], split=["train"])
+    grpo.check_rlvr_rows(data, "--dataset_mixer_list")  # the trainer's own check: this label can be scored
+    out, drops = chat_template.tokenize_rlvr(data, AutoTokenizer.from_pretrained(toy_model_dir), 512, cache_dir="")
+    assert len(out) == 1 and sum(drops.values()) == 0, dict(drops)
+    verifier, label = out[0]["verifier"], out[0]["ground_truth"]
+    for response, score in (("The *calm* sea and the *deep* sea.", 1.0),
+                            ("The *calm* sea, and the *deep* sea.", 0.5),  # a comma: one of two holds
+                            ("The *calm* sea and the deep sea.", 0.5),  # one highlight: one of two holds
+                            ("The calm sea, and the deep sea.", 0.0)):
+        result = verifiers.verify_row(verifier, "<think>a, b</think>" + response, label)
+        assert (result.score, result.error, result.verifier) == (score, None, "ifeval"), (response, result)
+
+
+@pytest.mark.usefixtures("sandbox")  # skipped where no isolation for model-written code exists here
+@pytest.mark.parametrize("as_lists", [False, True], ids=["strings", "one_element_lists"])
+def test_dolci_code_rows_load_and_score(toy_model_dir, tmp_path, as_lists):
+    by_name = _load_rows(toy_model_dir, tmp_path, as_lists)
+    for name in ("code", "code_stdio"):
+        _good_and_bad_score(by_name[name], name)

@@ -266,6 +266,24 @@ def test_reused_output_dir_stops_before_any_work(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists()
 
 
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path, capsys):
+    """--resume where output_dir holds no complete checkpoint yet (a preemptible job's first start, or one
+    stopped before its first save: metrics and a half-written temp dir) starts from scratch, so such a job
+    can always pass --resume; with a checkpoint it continues from it. main() decides through this function."""
+    out = str(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "checkpoints" / ".tmp-step_2").mkdir(parents=True)
+    dpo.check_output_dir(out, True, False, True)  # no stop, nothing deleted
+    assert dpo.resume_checkpoint(out, True, True) is None
+    assert "--resume: no checkpoint" in capsys.readouterr().out and (tmp_path / "metrics.jsonl").exists()
+    assert dpo.resume_checkpoint(out, True, False) is None and capsys.readouterr().out == ""  # one rank says it
+    step = tmp_path / "checkpoints" / "step_3"
+    step.mkdir()
+    (step / "training_state.pt").write_bytes(b"")
+    assert dpo.resume_checkpoint(out, True, True) == str(step)
+    assert dpo.resume_checkpoint(out, False, True) is None  # without --resume, never
+
+
 LEARN_ARGS = ["--dataset_mixer_list", "PREF", "1.0", "--eval_split_fraction", "0.1", "--max_seq_length", "256",
               "--loss_type", "dpo_norm", "--learning_rate", "1e-5", "--per_device_train_batch_size", "16",
               "--gradient_accumulation_steps", "1", "--num_train_epochs", "1", "--eval_steps", "50",

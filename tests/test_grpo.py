@@ -561,8 +561,13 @@ def test_checkpoint_helpers_are_the_same_in_every_stage():
                 if isinstance(node, ast.FunctionDef)}
 
     stages = [functions(script) for script in ("sft.py", "dpo.py", "grpo.py")]
-    for name in ("latest_checkpoint", "fsync_dir", "check_output_dir", "publish_checkpoint", "prune_checkpoints"):
+    for name in ("latest_checkpoint", "resume_checkpoint", "fsync_dir", "check_output_dir", "publish_checkpoint",
+                 "prune_checkpoints"):
         assert stages[0][name] == stages[1][name] == stages[2][name], name
+    for stage in stages:  # every main() decides where to resume through the shared function
+        calls = {n.func.id for n in ast.walk(ast.parse(stage["main"])) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name)}
+        assert "resume_checkpoint" in calls and "latest_checkpoint" not in calls, calls
 
 
 def test_save_checkpoint_fsyncs_points_latest_and_keeps_last_n(toy_model_dir, tmp_path, monkeypatch):
@@ -601,6 +606,24 @@ def test_reused_output_dir_stops_at_once(tmp_path):
     assert out.returncode != 0 and "holds a previous run (checkpoints)" in out.stderr, out.stderr[-3000:]
 
 
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path, capsys):
+    """--resume where output_dir holds no complete checkpoint yet (a preemptible job's first start, or one
+    stopped before its first save: metrics and a half-written temp dir) starts from scratch, so such a job
+    can always pass --resume; with a checkpoint it continues from it. main() decides through this function."""
+    out = str(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "checkpoints" / ".tmp-step_2").mkdir(parents=True)
+    grpo.check_output_dir(out, True, False, True)  # no stop, nothing deleted
+    assert grpo.resume_checkpoint(out, True, True) is None
+    assert "--resume: no checkpoint" in capsys.readouterr().out and (tmp_path / "metrics.jsonl").exists()
+    assert grpo.resume_checkpoint(out, True, False) is None and capsys.readouterr().out == ""  # one rank says it
+    step = tmp_path / "checkpoints" / "step_3"
+    step.mkdir()
+    (step / "training_state.pt").write_bytes(b"")
+    assert grpo.resume_checkpoint(out, True, True) == str(step)
+    assert grpo.resume_checkpoint(out, False, True) is None  # without --resume, never
+
+
 def _rlvr_row(content="What is 1+1?", **kw):
     row = {"messages": [{"role": "user", "content": content}], "ground_truth": "2", "verifier": "math"}
     return json.dumps({**row, **kw})
@@ -628,6 +651,34 @@ def test_bad_rlvr_rows_are_reported_by_file_and_line(tmp_path):
     assert f"{bad}:3: labels do not match the verifiers" in msg
     assert f"{bad}:4: no ground_truth" in msg
     assert f"{bad}:5: messages: missing_content" in msg
+
+
+def test_code_rows_without_a_sandbox_stop_the_run_unless_allowed(tmp_path, monkeypatch):
+    """With no isolation here and no --allow_unsandboxed_code, code rows would be refused at every step and
+    dropped as infrastructure failures (silently while under --max_infra_failure_rate): the run stops first,
+    naming them by file and line and saying how to fix it."""
+    import chat_template
+    import verifiers
+
+    data = tmp_path / "mix.jsonl"
+    data.write_text("\n".join([
+        _rlvr_row(), _rlvr_row(verifier="code", ground_truth=["assert f(1) == 2"]), _rlvr_row(),
+        _rlvr_row(verifier="code_stdio", ground_truth=json.dumps([{"input": "1", "output": "2"}])),
+        _rlvr_row(verifier=["math", "code"], ground_truth=["2", ["assert f(1) == 2"]])]) + "\n")
+    mixture = chat_template.load_mixture([str(data), "2.0"])
+    monkeypatch.setattr(verifiers, "_SANDBOX", {"mode": "none", "cgroup": {}})
+    with pytest.raises(ValueError) as e:
+        grpo.check_rlvr_rows(mixture, "--dataset_mixer_list")
+    msg = str(e.value)
+    assert msg.startswith("--dataset_mixer_list: 3 row(s) use the code / code_stdio verifiers"), msg
+    assert sorted(line.strip() for line in msg.splitlines()[1:]) == [f"{data}:{i}" for i in (2, 4, 5)], msg
+    assert "bubblewrap" in msg and "user namespaces" in msg and "--allow_unsandboxed_code" in msg
+    grpo.check_rlvr_rows(mixture, "--dataset_mixer_list", allow_unsandboxed_code=True)
+    math_only = tmp_path / "math.jsonl"
+    math_only.write_text(_rlvr_row() + "\n")
+    grpo.check_rlvr_rows(chat_template.load_mixture([str(math_only), "1.0"]), "--dataset_mixer_list")
+    monkeypatch.setattr(verifiers, "_SANDBOX", {"mode": "userns", "cgroup": {}})  # a sandbox: code rows run
+    grpo.check_rlvr_rows(mixture, "--dataset_mixer_list")
 
 
 @pytest.mark.slow

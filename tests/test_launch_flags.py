@@ -86,7 +86,8 @@ SCRIPTS = {
         ("--wandb_project_name", ["olmo3-sft"], ("wandb_project", "olmo3-sft")),
         ("--exp_name", ["olmo3_7b_think_sft"], ("run_name", "olmo3_7b_think_sft")),
         ("--with_tracking", [], (REFUSED, "--report_to wandb")),
-        ("--use_flash_attn", [], (REFUSED, "sdpa")),
+        # as the code picks it: flash attention 2 when installed and one row a forward, else sdpa
+        ("--use_flash_attn", [], (REFUSED, "flash_attn package is installed and a forward holds one row")),
         ("--lr", ["5e-5"], (REFUSED, "--learning_rate")),
     ],
     # scripts/train/olmo3/7b_think_dpo.sh (open_instruct/dpo_tune_cache.py)
@@ -141,7 +142,7 @@ SCRIPTS = {
         ("--dataset_mixer_eval_list", ["a.jsonl", "100"], ("eval_dataset_mixer_list", ["a.jsonl", "100"])),
         ("--wandb_project_name", ["olmo3-dpo"], ("wandb_project", "olmo3-dpo")),
         ("--deepspeed_stage", ["3"], (REFUSED, "FSDP2")),
-        ("--mixer_list", ["a.jsonl", "1.0"], (REFUSED, "--dataset_mixer_list")),
+        ("--mixer_list", ["a.jsonl", "1.0"], ("dataset_mixer_list", ["a.jsonl", "1.0"])),  # an older name
         ("--lr", ["1e-6"], (REFUSED, "--learning_rate")),
     ],
     # scripts/train/olmo3/7b_think_rl.sh (open_instruct/grpo_fast.py)
@@ -329,7 +330,7 @@ def test_flag_counts_per_script():
                        sum(1 for *_, e in flags if isinstance(e, tuple) and e[0] == REFUSED))
               for (_, script), flags in SCRIPTS.items()}
     assert counts == {"7b_think_sft.sh": (0, 12), "7b_instruct_sft.sh": (0, 12), "finetune.py names": (16, 3),
-                      "7b_think_dpo.sh": (17, 10), "7b_instruct_dpo.sh": (5, 1), "dpo_tune_cache.py names": (6, 3),
+                      "7b_think_dpo.sh": (17, 10), "7b_instruct_dpo.sh": (5, 1), "dpo_tune_cache.py names": (7, 2),
                       "7b_think_rl.sh": (37, 21), "7b_instruct_rl.sh": (33, 17), "grpo_fast.py names": (4, 1)}
 
 
@@ -347,7 +348,7 @@ def test_help_shows_open_instruct_aliases(stage, capsys):
     with pytest.raises(SystemExit):
         parse(stage, ["--help"])
     text = capsys.readouterr().out
-    for name in ("--chat_template_name", "--wandb_project_name", "--exp_name", "--clip_grad_norm"):
+    for name in ("--chat_template_name", "--wandb_project_name", "--exp_name", "--clip_grad_norm", "--mixer_list"):
         assert name in text, name
 
 
@@ -360,6 +361,27 @@ def test_one_name_per_idea_across_stages():
             assert name in {f.name for f in dataclasses.fields(module.Args)}, (stage, name)
     for old in ("save_every", "lr_schedule"):
         assert old not in {f.name for f in dataclasses.fields(grpo.Args)}
+
+
+@pytest.mark.parametrize("stage", list(MODULES))
+def test_mixer_list_is_dataset_mixer_list_in_every_stage(stage):
+    """`--mixer_list`, open-instruct's older name (a version of its 7b_think_dpo.sh uses it), is an alias."""
+    assert parse(stage, ["--mixer_list", "a.jsonl", "0.5", "b.jsonl", "10"]).dataset_mixer_list == [
+        "a.jsonl", "0.5", "b.jsonl", "10"]
+
+
+@pytest.mark.parametrize("stage,flag,replacement", [
+    ("grpo", "--max_steps", "--num_training_steps"), ("grpo", "--max_train_steps", "--num_training_steps"),
+    ("grpo", "--eval_steps", "--eval_every"), ("dpo", "--num_training_steps", "--max_steps"),
+    ("dpo", "--eval_every", "--eval_steps"), ("sft", "--num_training_steps", "--max_steps"),
+    ("sft", "--eval_every", "no held-out evaluation")])
+def test_other_stages_step_and_eval_flags_name_this_stages_own(stage, flag, replacement):
+    """sft.py / dpo.py count --max_steps (-1: no limit) and --eval_steps (0: eval at the ends only); grpo.py's
+    --num_training_steps and --eval_every (0: never) differ at those values, so they are refused, not aliased."""
+    with pytest.raises(SystemExit) as e:
+        parse(stage, [flag, "10"])
+    message = str(e.value.code)
+    assert message.startswith(f"{flag} 10:") and replacement in message, message
 
 
 def test_dataset_mixer_list_splits_pick_each_sources_split(tmp_path):

@@ -35,6 +35,12 @@ RESULT = {"role": "tool", "content": '{"temp": 41}'}
 ENV = {"role": "environment", "content": "12:00"}
 ANSWER = {"role": "assistant", "content": "It is 41F."}
 SYSTEM = {"role": "system", "content": "Be brief."}
+# Arrow / OpenAI-style data stores empty calls on plain turns; the released template prints them (`is not none`).
+EMPTY_LIST = {"role": "assistant", "content": "x", "tool_calls": []}
+EMPTY_STRING = {"role": "assistant", "content": "x", "function_calls": ""}
+# The released Instruct template never reads reasoning_content.
+REASONING = {"role": "assistant", "reasoning_content": "41F, say so.", "content": "It is 41F."}
+REASONING_CALL = {**CALL_ONLY, "reasoning_content": "I need the weather."}
 
 # name -> (messages, tools, add_generation_prompt)
 CASES = {
@@ -54,7 +60,17 @@ CASES = {
     "function_calls_string_last": ([USER, {"role": "assistant", "content": None, "function_calls": "now()"}], None,
                                    False),
     "generation_prompt_after_user": ([USER], TOOLS, True),
+    "empty_tool_calls_last": ([USER, EMPTY_LIST], None, False),
+    "empty_function_calls_last": ([USER, EMPTY_STRING], None, False),
+    "empty_tool_calls_mid_conversation": ([USER, EMPTY_LIST, USER, EMPTY_STRING, USER, ANSWER], TOOLS, False),
+    "empty_function_calls_beside_tool_calls": ([USER, {**CALL_ONLY, "function_calls": ""}], TOOLS, False),
+    "none_function_calls_beside_tool_calls": ([USER, {**CALL_ONLY, "function_calls": None}], TOOLS, False),
+    "reasoning_content_ignored": ([USER, REASONING], None, False),
+    "reasoning_content_with_call_mid_conversation": ([USER, REASONING_CALL, RESULT, REASONING], TOOLS, False),
 }
+# Cases the dev templates render differently (they skip empty calls); think templates render reasoning.
+EMPTY_CALL_CASES = {name for name in CASES if "empty_" in name}
+REASONING_CASES = {name for name in CASES if "reasoning" in name}
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +105,52 @@ def test_final_tool_call_trains_eos(tok):
 
 def test_dev_and_think_templates_differ_from_release_only_in_system_prompt_and_generation_prompt(tok):
     """The dev / think variants share the release's turn format: same renders once the system turn is given."""
-    for messages, tools, agp in CASES.values():
-        if not messages or messages[0]["role"] != "system" or agp:
+    for name, (messages, tools, agp) in CASES.items():
+        if not messages or messages[0]["role"] != "system" or agp or name in EMPTY_CALL_CASES | REASONING_CASES:
             continue
         texts = {name: tok.apply_chat_template(messages, tools=tools, chat_template=ct.TEMPLATES[name], tokenize=False)
                  for name in ct.TEMPLATES}
         assert len(set(texts.values())) == 1, texts
+
+
+@pytest.mark.parametrize("case", sorted(name for name in CASES if not CASES[name][2] and name not in REASONING_CASES))
+def test_think_release_renders_like_the_released_template(tok, case):
+    """Without a generation prompt or reasoning, olmo3-think-release renders as the release does, empty calls too."""
+    messages, tools, _ = CASES[case]
+    released = tok.apply_chat_template(messages, tools=tools, chat_template=RELEASED, tokenize=False)
+    assert ct.render(messages, "olmo3-think-release", tools=tools, eos_token=tok.eos_token) == released
+
+
+def test_empty_calls_print_in_release_templates_only(tok):
+    for name in ("olmo3-instruct-release", "olmo3-think-release"):
+        for message in (EMPTY_LIST, EMPTY_STRING):
+            assert ct.render([USER, message], name, eos_token=tok.eos_token).endswith(
+                "x<function_calls></function_calls>" + tok.eos_token)
+    for name in ("olmo3-instruct-dev", "olmo3-think-dev"):
+        for message in (EMPTY_LIST, EMPTY_STRING):
+            assert ct.render([USER, message], name, eos_token=tok.eos_token).endswith("x" + tok.eos_token)
+
+
+def test_reasoning_content_ignored_by_instruct_release_only(tok):
+    for name in ct.TEMPLATES:
+        text = ct.render([USER, REASONING], name, eos_token=tok.eos_token)
+        if name == "olmo3-instruct-release":
+            assert "41F, say so." not in text and text.endswith("assistant\nIt is 41F." + tok.eos_token)
+        else:
+            assert text.endswith("assistant\n<think>41F, say so.</think>It is 41F." + tok.eos_token)
+
+
+def test_reasoning_only_turn_is_a_counted_drop_under_instruct_release(tok):
+    """Rendered without its reasoning the turn would be empty and train on eos alone: dropped, not trained."""
+    only = {"role": "assistant", "content": None, "reasoning_content": "thinking"}
+    empty = {"role": "assistant", "content": "", "reasoning_content": "thinking"}
+    rows = [{"messages": [USER, only]}, {"messages": [USER, empty]}, {"messages": [USER, REASONING]}]
+    ds, drops = ct.tokenize_sft(rows, tok, 512, chat_template="olmo3-instruct-release", cache_dir="")
+    assert len(ds) == 1 and drops["reasoning_content_not_rendered"] == 2
+    assert drops.warnings["reasoning_content_ignored"] == 1
+    with pytest.raises(ct.DroppedRow, match="reasoning_content_not_rendered"):
+        ct.tokenize_prompt(tok, [USER, only, USER], chat_template="olmo3-instruct-release")
+    ds, drops = ct.tokenize_sft(rows, tok, 512, chat_template="olmo3-think-release", cache_dir="")
+    assert len(ds) == 3 and not drops.warnings
+    trained = [i for i, label in zip(ds[0]["input_ids"], ds[0]["labels"]) if label != -100]
+    assert tok.decode(trained) == "<think>thinking</think>" + tok.eos_token

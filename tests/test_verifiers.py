@@ -306,6 +306,19 @@ def test_ifeval_empty_response_is_no_answer():
     assert r.error == "no_answer"  # not a free 1.0 for "no commas"
 
 
+def test_ifeval_unclosed_think_checks_the_whole_text():
+    """As open-instruct's IFEvalG reward: with no </think> the whole text is checked, the tag included;
+    the other verifiers keep their rule (an unclosed <think> is no answer)."""
+    no_comma = "[{'instruction_id': ['punctuation:no_comma'], 'kwargs': [None]}]"
+    r = verify("ifeval", "<think>no commas here", no_comma)
+    assert (r.score, r.error) == (1.0, None), r
+    assert verify("ifeval", "<think>a, b", no_comma).score == 0.0
+    lower = "[{'instruction_id': ['change_case:english_lowercase'], 'kwargs': [None]}]"
+    assert verify("ifeval", "<think>all lower", lower).score == 1.0
+    assert verify("ifeval", "<|assistant|><think>", no_comma).score == 1.0  # the bare tag is text there too
+    assert verify("math", "<think>\\boxed{42}", "42").error == "no_answer"
+
+
 IFEVAL_REFERENCE_QUIRKS = [
     ("detectable_format:title", {}, "<<<a>>>", True),
     ("detectable_format:title", {}, "<< >>\n<<>>\n<<a\n>>", False),  # empty, too short, across a line
@@ -450,6 +463,11 @@ def test_max_length_is_clamped():
 DOUBLE_TESTS = ["assert f(1) == 2", "assert f(2) == 4", "assert f(0) == 0"]
 
 
+# conftest.py's `sandbox` fixture: skipped where no isolation for model-written code exists here
+needs_sandbox = pytest.mark.usefixtures("sandbox")
+
+
+@needs_sandbox
 def test_code_correct_partial_wrong():
     assert verify("code", py("def f(x):\n    return 2 * x"), DOUBLE_TESTS).score == 1.0
     r = verify("code", py("def f(x):\n    return 2 * x if x else 1"), json.dumps(DOUBLE_TESTS))
@@ -523,11 +541,10 @@ HOSTILE = {
 }
 
 
+@needs_sandbox
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_code_hostile_program_scores_zero_and_caller_survives(name):
     program, max_score, seconds = HOSTILE[name]
-    if V._sandbox_mode() == "none":
-        pytest.skip("no sandbox here: code verifiers refuse to run")
     t0 = time.time()
     r = verify("code", py(program), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
     assert in_bounds(r) and r.score <= max_score and r.error is None, r
@@ -547,15 +564,15 @@ def test_code_timeout_is_reaped_promptly():
     assert _sandbox_uid_processes() == []
 
 
+@needs_sandbox
 def test_code_sys_exit_does_not_skip_asserts():
     # The harness runs the asserts even after sys.exit(); they pass only if the function is right.
     r = verify("code", py(GOOD_F + "import sys\nsys.exit(0)"), DOUBLE_TESTS, code_timeout=3)
     assert r.score == 1.0
 
 
+@needs_sandbox
 def test_code_sandbox_isolation():
-    if V._sandbox_mode() == "none":
-        pytest.skip("no sandbox here (no user namespaces)")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -597,7 +614,8 @@ def _closed_ancestors() -> set[tuple[str, str]]:
 def unprivileged(tmp_path_factory):
     """argv prefix that runs this interpreter as an unprivileged user: ourselves when not root, else
     uid 65534, with a closed ancestor of the interpreter (/root) made passable in a private mount
-    namespace (a 755 tmpfs over it with the needed child bound back)."""
+    namespace (a 755 tmpfs over it with the needed child bound back). None where root cannot do that
+    here (no unshare / setpriv, or no mount namespace: a container without CAP_SYS_ADMIN)."""
     if os.geteuid() != 0:
         return [sys.executable]
     env = ["env", "-i", "PATH=/usr/bin:/bin", "HOME=/tmp", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={REPO}"]
@@ -607,6 +625,11 @@ def unprivileged(tmp_path_factory):
         stage, inner = str(tmp_path_factory.mktemp("stage")), shlex.quote(os.path.join(ancestor, child))
         lines += [f"mount --rbind {inner} {stage}", f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(ancestor)}",
                   f"mkdir -p {inner}", f"mount --rbind {stage} {inner}"]
+    try:
+        if not shutil.which("setpriv") or subprocess.run(["unshare", "--mount", "true"]).returncode != 0:
+            return None
+    except OSError:
+        return None
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join([*lines, 'exec "$@"']), "sh", *drop]
 
 
@@ -657,6 +680,10 @@ def watch(limit_mb, peak, stop):
 
 
 programs, tests, kwargs, kill_above_mb = json.loads(sys.argv[1])
+if kwargs.pop("no_sandbox", False):  # as where no isolation exists: the caller's uid, no cgroup
+    V._SANDBOX.update({"mode": "none", "cgroup": {}})
+for _ in range(kwargs.pop("idle_threads", 0)):  # a trainer's threads count against RLIMIT_NPROC too
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 out = {"mode": V._sandbox_mode()}
 for name, program in programs.items():
     peak, stop = [0.0], threading.Event()
@@ -685,9 +712,9 @@ def _drive(prefix: list[str], programs: dict, tests=DOUBLE_TESTS, kill_above_mb:
 
 
 def _users(unprivileged) -> dict[str, list[str]]:
-    if os.geteuid() != 0:
-        return {"unprivileged": unprivileged}
-    return {"root": [sys.executable], "unprivileged": unprivileged}
+    """argv prefixes by user: root (when we are root), then the unprivileged user (where one can be had)."""
+    users = {"root": [sys.executable]} if os.geteuid() == 0 else {}
+    return {**users, **({"unprivileged": unprivileged} if unprivileged else {})}
 
 
 def _userns_works(prefix: list[str]) -> bool:
@@ -701,12 +728,12 @@ def test_sandbox_mode_is_the_strongest_available_as_root_and_as_an_unprivileged_
     modes = {user: _drive(prefix, {})["mode"] for user, prefix in _users(unprivileged).items()}
     if os.geteuid() == 0 and V._sandbox_mode() != "none":
         assert modes["root"] == "namespace"
-    assert modes["unprivileged"] == ("userns" if _userns_works(unprivileged) else "none"), modes
+    if unprivileged:
+        assert modes["unprivileged"] == ("userns" if _userns_works(unprivileged) else "none"), modes
 
 
+@needs_sandbox
 def test_a_sandbox_that_cannot_start_is_an_error_the_program_cannot_forge():
-    if V._sandbox_mode() == "none":
-        pytest.skip("no sandbox here")
     run = V.run_sandboxed({}, ["/nonexistent/python"])
     assert run["status"] == "sandbox_error" and "nonexistent" in run["stderr"], run
     forger = ("import os\nfor fd in range(64):\n    try:\n        os.write(fd, b'Traceback: setup failed')\n"
@@ -817,6 +844,57 @@ def test_setsid_double_fork_dies_with_the_run(unprivileged, shared_dir):
         assert not os.path.exists(marker), user
 
 
+def _marker_grows(marker: str) -> bool:
+    time.sleep(0.3)  # what escaped has time to show itself
+    size = os.path.getsize(marker) if os.path.exists(marker) else 0
+    time.sleep(0.3)
+    return (os.path.getsize(marker) if os.path.exists(marker) else 0) > size
+
+
+# After ESCAPE: the program kills the shell that waits for it once the grandchild has written; or it times out.
+KILL_PARENT_AFTER_ESCAPE = ("import signal\nwhile not os.path.exists({marker!r}):\n    time.sleep(0.01)\n"
+                            "os.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(1000)\n")
+TIMEOUT_AFTER_ESCAPE = "time.sleep(1000)\n"
+
+
+@pytest.mark.parametrize("variant", ["escape", "then_kill_its_parent", "then_timeout", "then_its_worker_is_killed"])
+def test_setsid_double_fork_dies_with_an_unsandboxed_run(monkeypatch, shared_dir, variant):
+    """Finding 1 where no sandbox exists and code is allowed to run unisolated (mode none, no cgroup):
+    the process-group kill missed a setsid grandchild, which kept writing after verify() returned.
+    Now the program's launcher is a child subreaper that kills everything below it, also when the pool
+    kills the worker that started it."""
+    monkeypatch.setattr(V, "_SANDBOX", {"mode": "none", "cgroup": {}})
+    marker = os.path.join(shared_dir, "escaped")
+    after = {"escape": "", "then_timeout": TIMEOUT_AFTER_ESCAPE, "then_its_worker_is_killed": TIMEOUT_AFTER_ESCAPE,
+             "then_kill_its_parent": KILL_PARENT_AFTER_ESCAPE.format(marker=marker)}[variant]
+    t0 = time.time()
+    if variant == "then_its_worker_is_killed":
+        with VerifierPool(num_workers=1, timeout=1.5, code_timeout=30, budget=30, allow_unsandboxed_code=True) as pool:
+            r = pool.score([("code", py(ESCAPE.format(marker=marker) + after), DOUBLE_TESTS)])[0]
+        assert r.error == "timeout" and time.time() - t0 < 4, r
+    else:
+        r = verify("code", py(ESCAPE.format(marker=marker) + after), DOUBLE_TESTS, code_timeout=2,
+                   allow_unsandboxed_code=True)
+        assert r.error is None and r.score == 0.0 and time.time() - t0 < 4, r
+    if after:  # the program outlived the grandchild's first write (plain ESCAPE may end before it)
+        assert os.path.exists(marker), "the grandchild never ran"
+    assert not _marker_grows(marker), "a grandchild outlived verify()"
+
+
+def test_unsandboxed_runs_end_whole_as_root_and_as_an_unprivileged_user(unprivileged, shared_dir):
+    """Mode none (allowed, no cgroup) as each user, in a process with a trainer's many threads: a correct
+    program that forks still scores 1 (RLIMIT_NPROC counts the caller's own tasks, so its share of the
+    limit comes on top of them), and nothing a program starts outlives its run."""
+    marker = os.path.join(shared_dir, "escaped")
+    programs = {"good": GOOD_F + "import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\n",
+                "escape": ESCAPE.format(marker=marker) + TIMEOUT_AFTER_ESCAPE}
+    for user, prefix in _users(unprivileged).items():
+        out = _drive(prefix, programs, no_sandbox=True, idle_threads=16, allow_unsandboxed_code=True)
+        assert out["mode"] == "none" and out["good"]["score"] == 1.0, (user, out["good"])
+        _assert_contained(user, "escape", out["escape"])
+        assert not _marker_grows(marker), user
+
+
 def test_code_can_write_only_its_own_work_dir(unprivileged, shared_dir):
     """Finding 2: /var/tmp and /run/lock of the host stayed writable; the file-size limit did not
     bound the number of files. Now the root is read-only and its /tmp a bounded tmpfs."""
@@ -836,6 +914,8 @@ def test_code_can_write_only_its_own_work_dir(unprivileged, shared_dir):
 
 @pytest.mark.slow  # ~15 s: HOSTILE as the unprivileged user (as root, the test above runs them in this process)
 def test_hostile_programs_as_an_unprivileged_user(unprivileged):
+    if not unprivileged:
+        pytest.skip("no unprivileged user here")
     out = _drive(unprivileged, {k: v[0] for k, v in HOSTILE.items()})
     if out["mode"] == "none":
         pytest.skip("no sandbox for the unprivileged user here")
@@ -878,6 +958,7 @@ def _left_by(names, worker: int) -> list[str]:
     return [n for n in names if n.startswith("verifiers_run_") and not alive_other(n)]
 
 
+@needs_sandbox
 def test_killed_worker_leaves_no_work_dir_behind():
     """Finding 4: the pool kills a worker in the middle of a run; its work dir (and cgroup) go too."""
     tmp = tempfile.gettempdir()
@@ -892,6 +973,7 @@ def test_killed_worker_leaves_no_work_dir_behind():
         assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].score == 1.0  # and the pool goes on
 
 
+@needs_sandbox
 def test_forged_pass_from_the_callers_frame_scores_zero():
     """Finding 5: a wrong solution read the pass sentinel from the harness's frame and scored 1.0."""
     r = verify("code", py(HOSTILE["forged_from_callers_frame"][0]), DOUBLE_TESTS, code_timeout=3)
@@ -900,6 +982,7 @@ def test_forged_pass_from_the_callers_frame_scores_zero():
     assert verify("code", py(HOSTILE["always_equal"][0]), DOUBLE_TESTS).score == 0.0
 
 
+@needs_sandbox
 def test_code_judges_common_assert_forms_here():
     tests = ["assert f([3, 1]) == [1, 3]", "assert sorted(f([2, 1])) == [1, 2]", "assert abs(f([0.5])[0] - 0.5) < 1e-9",
              "xs = [2, 1]\nassert f(xs) == sorted(xs)", "assert isinstance(f([]), list) and f([]) == []",
@@ -920,6 +1003,7 @@ def test_code_judges_common_assert_forms_here():
     assert plan[0] == [["exec", "n = 3"], ["exec", "xs = f(n)"], ["eval", ["xs"]], ["exec", "n = g()"], ["eval", ["n"]]]
 
 
+@needs_sandbox
 @pytest.mark.parametrize("link", ["link", "project/.venv"])
 def test_venv_under_tmp_through_a_symlink(tmp_path, link):
     """Finding 6: with the interpreter in a venv under /tmp (reached through a symlink) the sandbox
@@ -947,6 +1031,7 @@ def test_venv_under_tmp_through_a_symlink(tmp_path, link):
         shutil.rmtree(base, ignore_errors=True)
 
 
+@needs_sandbox
 def test_code_stdio():
     tests = [{"input": "2\n", "output": "4\n"}, {"input": "5\n", "output": "10"}, {"input": "0\n", "output": "1\n"}]
     prog = py("print(int(input()) * 2)")
@@ -967,6 +1052,45 @@ def test_code_stdio():
 
 # ------------------------------------------------------------------------------------------------
 # routing, labels and never raising
+
+LOWERCASE = {"instruction_id": ["change_case:english_lowercase"], "kwargs": [{}]}
+# (verifier, label as written in the file, response, score): strings and lists / dicts mixed in one column
+LABEL_ROWS = [
+    ("string_match", "[1, 2]", "[1, 2]", 1.0), ("string_match", "[1, 2]", "1", 0.0),  # not the answers 1 and 2
+    ("string_match", "1e3", "1e3", 1.0), ("string_match", "1e3", "1000", 0.0),  # not 1000.0
+    ("string_f1", "[1, 2]", "[1, 2]", 1.0), ("string_match", '"quoted"', '"quoted"', 1.0),
+    ("math", "[1, 2]", "\\boxed{[1, 2]}", 1.0), ("math", "1e3", "\\boxed{1e3}", 1.0),
+    ("string_match", ["5", "6"], "6", 1.0), ("string_match", ["5", "6"], "[5, 6]", 0.0),  # a list: its answers
+    (["string_match"], "[1]", "[1]", 1.0), (["string_match"], ["7"], "7", 1.0),
+    ("ifeval", LOWERCASE, "all lower case", 1.0), ("ifeval", LOWERCASE, "Not Lower", 0.0),  # structure
+    ("max_length", {"max_length": 2, "scale": 10}, "two words", 1.0),
+]
+
+
+def test_labels_are_kept_exactly_as_written_through_loading_and_scoring(tmp_path, toy_model_dir):
+    """A string label of a verifier whose label is text is the answer exactly as written, also in a file
+    that mixes string and list labels (the loader then writes each list or dict as its JSON text), where
+    it used to be decoded again: "[1, 2]" became the answers 1 and 2 (string_match scored "[1, 2]" 0).
+    Lists of answers, and structured labels (IFEval, max_length) that come as JSON text, still work."""
+    import chat_template
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"}], "verifier": verifier,
+                                        "ground_truth": label}) + "\n" for verifier, label, _, _ in LABEL_ROWS))
+    data = chat_template.load_mixture([str(path), "1.0"])
+    out, drops = chat_template.tokenize_rlvr(data, AutoTokenizer.from_pretrained(toy_model_dir), 512, cache_dir="")
+    assert len(out) == len(LABEL_ROWS) and sum(drops.values()) == 0, dict(drops)
+    rows = {source["source_line"]: row for source, row in zip(data, out)}  # what a trainer scores with
+    for line, (verifier, label, response, score) in enumerate(LABEL_ROWS, 1):
+        row = rows[line]
+        assert row["ground_truth"] == (label if isinstance(label, str) else json.dumps(label)), row
+        assert V.row_problem(row["verifier"], row["ground_truth"]) is None, row
+        r = verify_row(row["verifier"], response, row["ground_truth"])
+        assert (r.score, r.error) == (score, None), (line, verifier, label, response, r)
+    assert verify("string_match", "[1, 2]", "[1, 2]").score == 1.0  # the issue's example, without a file
+    assert verify("string_f1", "1e3", "1e3").score == 1.0
+
 
 def test_verify_row_several_verifiers_with_parallel_labels():
     r = verify_row(["gsm8k", "max_length"], "so 42", ["42", "2"])
@@ -1220,6 +1344,7 @@ def test_batch_1000_mixed_rows():
     assert counts == {"math/timeout": 2, "math/no_answer": sum(w == "no_answer" for w in expected)}
 
 
+@needs_sandbox
 def test_code_tests_that_cannot_be_judged_outside_the_program_are_never_a_silent_zero():
     """Asserts inside a function or a loop cannot be judged out of the program's reach: the score is over
     the top-level ones, and a row with none is an error (dropped and counted by a trainer, reported
