@@ -217,6 +217,10 @@ UNSUPPORTED_FLAGS: dict = {
     "eval_every": "use --eval_steps N (0: only before training and at the end; grpo.py's --eval_every 0 is never)",
 }
 
+# Arguments a resumed run may change without the "changed arguments" warning: they do not change what is trained
+# (the reference cache is found by the hash of its contents, wherever it lives).
+RESUME_IGNORED_ARGS = ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to", "reference_cache_dir")
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers: the loss, batching, schedule, FLOPs, reference cache, checkpoints
@@ -470,8 +474,9 @@ def train_flops(doc_lengths: list[int], non_embedding_params: int, num_layers: i
     6 x N per token for the matmuls (N = parameters except the input embedding; the untied LM head
     is a real matmul, so it counts), plus causal attention: QK^T and AV cost 4 x hidden x context
     per token per layer forward; the mean causal context of a length-L conversation is L / 2, and
-    backward is twice forward, so a conversation costs 6 x layers x hidden x L^2. LoRA's frozen
-    weights skip their weight-gradient matmul: this overstates LoRA's FLOPs by up to a third.
+    backward is twice forward, so a conversation costs 6 x layers x hidden x L^2 (packed rows too: attention
+    never crosses conversations). LoRA's frozen weights skip their weight-gradient matmul: this overstates
+    LoRA's FLOPs by up to a third.
     """
     tokens = sum(doc_lengths)
     return 6.0 * non_embedding_params * tokens + 6.0 * num_layers * hidden_size * sum(L * L for L in doc_lengths)
@@ -729,11 +734,11 @@ def main():
     # Batch s of the run is the data position a checkpoint stores, so a resume sees the same pairs.
     micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
     global_pairs = micro_bs * accum * world_size
-    if len(pairs) < global_pairs:
-        raise SystemExit(f"{len(pairs)} pairs cannot fill one global batch of {global_pairs} pairs")
     batches, epoch = [], 0
     while True:
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        if len(order) < global_pairs:
+            raise SystemExit(f"{len(order)} pairs cannot fill one global batch of {global_pairs} pairs")
         batches += [(epoch, order[i:i + global_pairs]) for i in range(0, len(order) - global_pairs + 1, global_pairs)]
         epoch += 1
         if ((args.max_steps > 0 and len(batches) >= args.max_steps)
@@ -888,30 +893,30 @@ def main():
             dist.destroy_process_group()
         return
 
+    if resume_from and not args.use_lora:  # the trained weights, now that the reference pass has used the initial ones
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        weights = (AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if is_main
+                   else {})
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
+                                                                     broadcast_from_rank0=world_size > 1))
+        del weights
+
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for n, p in trainable if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
 
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     start_step = 0
     if resume_from:
-        if not args.use_lora:  # the trained weights, now that the reference pass has used the initial ones
-            weights = (AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if is_main
-                       else {})
-            set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
-                                                                         broadcast_from_rank0=world_size > 1))
-            del weights
         state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         start_step = state["step"]
         changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
-                   if k not in ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to", "reference_cache_dir")
-                   and getattr(args, k, v) != v}
+                   if k not in RESUME_IGNORED_ARGS and getattr(args, k, v) != v}
         if changed and is_main:  # a different run would not continue "exactly"; say so loudly
             print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
         rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
@@ -1024,7 +1029,7 @@ def main():
         lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # save (the state after `step` updates; evaluation runs after the update, in `log`)
+        # save (the state after `step` updates)
         if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:
             save_checkpoint(step)
         t0 = time.perf_counter()
@@ -1032,6 +1037,8 @@ def main():
         batch_epoch, indices = batches[step]
         micro = [collate_pairs(indices[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs],
                                pairs, pad_id) for k in range(accum)]
+        local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
+                                      config.hidden_size) for mb in micro)
         # loss and backward, accumulating; gradients are synchronised on the last micro-batch only
         # sums: loss, rewards c/r, accuracy, logps c/r; tokens; nll
         stats = torch.zeros(8, dtype=torch.float64, device=device)
@@ -1062,8 +1069,6 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # log
-        local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
-                                      config.hidden_size) for mb in micro)
         if world_size > 1:
             dist.all_reduce(stats)
         step_flops = all_reduce_sum([local_flops])[0]

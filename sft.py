@@ -167,6 +167,9 @@ UNSUPPORTED_FLAGS = {
     "eval_every": "not needed here: sft.py has no held-out evaluation",
 }
 
+# Arguments a resumed run may change without the "changed arguments" warning: they do not change what is trained.
+RESUME_IGNORED_ARGS = ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to")
+
 
 # ---------------------------------------------------------------------------------------------
 # Helpers: batching, loss, schedule, FLOPs, checkpoints
@@ -433,9 +436,9 @@ def train_flops(doc_lengths: list[int], non_embedding_params: int, num_layers: i
     6 x N per token for the matmuls (N = parameters except the input embedding; the untied LM head
     is a real matmul, so it counts), plus causal attention: QK^T and AV cost 4 x hidden x context
     per token per layer forward; the mean causal context of a length-L conversation is L / 2, and
-    backward is twice forward, so a conversation costs 6 x layers x hidden x L^2 (attention never
-    crosses conversations, so packing does not add to it). LoRA's frozen weights skip their
-    weight-gradient matmul: this overstates LoRA's FLOPs by up to a third.
+    backward is twice forward, so a conversation costs 6 x layers x hidden x L^2 (packed rows too: attention
+    never crosses conversations). LoRA's frozen weights skip their weight-gradient matmul: this overstates
+    LoRA's FLOPs by up to a third.
     """
     tokens = sum(doc_lengths)
     return 6.0 * non_embedding_params * tokens + 6.0 * num_layers * hidden_size * sum(L * L for L in doc_lengths)
@@ -603,6 +606,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if args.chat_template:  # train with it and save it with the model, so inference renders the same way
         tokenizer.chat_template = chat_template.get_template(args.chat_template)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if not is_main:
         barrier()  # rank 0 fills the datasets cache first
     dataset = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
@@ -713,8 +717,7 @@ def main():
                                  options=StateDictOptions(full_state_dict=True))
         start_step = state["step"]
         changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
-                   if k not in ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to")
-                   and getattr(args, k, v) != v}
+                   if k not in RESUME_IGNORED_ARGS and getattr(args, k, v) != v}
         if changed and is_main:  # a different run would not continue "exactly"; say so loudly
             print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
         rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
@@ -775,6 +778,17 @@ def main():
                                    dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
     metrics_file = (open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main
                     else None)
+
+    def log(metrics: dict, echo: bool = True) -> None:
+        """One JSON line in metrics.jsonl, one wandb row and (echo) one line on stdout (rank 0 only)."""
+        if is_main:
+            if echo:
+                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=metrics["step"])
+
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="sft", dynamic_ncols=True)
 
     # ---- loop ---------------------------------------------------------------------------------
@@ -791,7 +805,7 @@ def main():
         # batch: this rank's micro-batches of global batch `step`; count trained tokens over the whole step first
         batch_epoch, rows = batches[step]
         micro = [collate(rows[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs], examples,
-                         tokenizer.pad_token_id) for k in range(accum)]
+                         pad_id) for k in range(accum)]
         local_trained = sum(int((mb["targets"] != -100).sum()) for mb in micro)
         local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
                                       config.hidden_size) for mb in micro)
@@ -821,18 +835,14 @@ def main():
         # MFU <= 1: a step faster than the measured peak proves the devices' peak is at least its rate
         peak_total = max(peak_total, step_flops / dt)
         progress.update(1)
-        if is_main:
-            metrics = {"step": step + 1, "train/loss": nll_total / max(num_trained, 1), "train/lr": lr,
-                       "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
-                       "train/trained_tokens": int(num_trained), "time/step_s": dt,
-                       "perf/tokens_per_s": num_tokens / dt, "perf/mfu": step_flops / dt / peak_total}
-            progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{lr:.2e}")
-            if (step + 1) % max(1, args.logging_steps) == 0 or step + 1 == total_steps:
-                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=step + 1)
+        last_step = step + 1 == total_steps
+        metrics = {"step": step + 1, "train/loss": nll_total / max(num_trained, 1), "train/lr": lr,
+                   "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
+                   "train/trained_tokens": int(num_trained), "time/step_s": dt,
+                   "perf/tokens_per_s": num_tokens / dt, "perf/mfu": step_flops / dt / peak_total}
+        progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{lr:.2e}")
+        echo = last_step or (step + 1) % max(1, args.logging_steps) == 0
+        log(metrics, echo)
     progress.close()
 
     # ---- save -----------------------------------------------------------------------------------

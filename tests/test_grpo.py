@@ -553,21 +553,64 @@ def test_memory_plan_hand_computed():
 # -------------------------------------------------------------------------------------------------
 # Data safety: output_dir, checkpoints, RL rows
 # -------------------------------------------------------------------------------------------------
-def test_checkpoint_helpers_are_the_same_in_every_stage():
-    """One-file-per-stage: sft.py, dpo.py and grpo.py each carry these, and they must not drift apart."""
-    def functions(script):
-        text = open(os.path.join(REPO, script)).read()
-        return {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
-                if isinstance(node, ast.FunctionDef)}
+def _stage_definitions(script: str) -> dict:
+    """Top-level functions, classes and assignments of a stage script, by name: their exact source."""
+    text = open(os.path.join(REPO, script)).read()
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out[node.name] = ast.get_source_segment(text, node)
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = ast.get_source_segment(text, node)
+    return out
 
-    stages = [functions(script) for script in ("sft.py", "dpo.py", "grpo.py")]
+
+def test_checkpoint_helpers_are_the_same_in_every_stage():
+    """One-file-per-stage: sft.py, dpo.py and grpo.py each carry these, and they must not drift apart
+    (checkpoint save / resume / prune, peak FLOPs, memory plan, the chunked LM head; sft.py and dpo.py
+    also share the lr schedule and the training FLOPs)."""
+    stages = [_stage_definitions(script) for script in ("sft.py", "dpo.py", "grpo.py")]
     for name in ("latest_checkpoint", "resume_checkpoint", "fsync_dir", "check_output_dir", "publish_checkpoint",
-                 "prune_checkpoints"):
+                 "prune_checkpoints", "GPU_PEAKS", "measure_peaks", "memory_plan", "device_memory_bytes",
+                 "check_memory_plan", "ChunkedLogprobs", "ChunkedLogprobHead", "install_chunked_head",
+                 "target_logprobs"):
         assert stages[0][name] == stages[1][name] == stages[2][name], name
+    for name in ("lr_at", "train_flops"):
+        assert stages[0][name] == stages[1][name], name
     for stage in stages:  # every main() decides where to resume through the shared function
         calls = {n.func.id for n in ast.walk(ast.parse(stage["main"])) if isinstance(n, ast.Call)
                  and isinstance(n.func, ast.Name)}
         assert "resume_checkpoint" in calls and "latest_checkpoint" not in calls, calls
+
+
+def test_sft_and_dpo_main_share_their_plumbing_blocks():
+    """`diff sft.py dpo.py` shows the algorithm and the reference cache only: the blocks of main() that do the
+    same thing (distributed setup, model / FSDP / DDP, optimizer, resume, checkpoint save, peak FLOPs and
+    MFU, lr schedule, logging, final save) are byte-identical, each from its first line to its last."""
+    mains = [_stage_definitions(script)["main"].splitlines() for script in ("sft.py", "dpo.py")]
+
+    def block(lines: list[str], first: str, last: str) -> list[str]:
+        start = next(i for i, line in enumerate(lines) if line.startswith(first))
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith(last))
+        return lines[start:end + 1]
+
+    blocks = [  # (first line starts with, last line starts with), both as written in main()
+        ("    # ---- setup", "        return t.tolist()"),  # ranks, device, process group, seeds, collectives
+        ("    tokenizer = AutoTokenizer", "        barrier()  # rank 0 fills"),  # tokenizer, template, pad_id
+        ("        epoch += 1", "    resume_from = resume_checkpoint("),  # epochs / max_steps, warmup, resume
+        ("    bf16 = args.bf16", "    autocast = torch.autocast("),  # memory plan, FSDP auto-switch, model, wrap
+        ("    trainable = [", "            prune_checkpoints("),  # optimizer, resume, save_hf, save_checkpoint
+        ("    # ---- logging", "    peak_total = all_reduce_sum("),  # peak FLOPs
+        ("    wandb_run = None", "                wandb_run.log(metrics"),  # run_config, wandb, metrics, log()
+        ("    # ---- loop", "        t0 = time.perf_counter()"),  # lr schedule, periodic checkpoint
+        ("        # clip, step", "        optimizer.zero_grad("),
+        ("        dt = time.perf_counter() - t0", "        last_step = "),  # MFU <= 1
+        ("    progress.close()", "        dist.destroy_process_group()"),  # final save
+    ]
+    for first, last in blocks:
+        sft_block, dpo_block = (block(lines, first, last) for lines in mains)
+        assert len(sft_block) > 1 and sft_block == dpo_block, (first, [a for a in sft_block if a not in dpo_block],
+                                                               [b for b in dpo_block if b not in sft_block])
 
 
 def test_save_checkpoint_fsyncs_points_latest_and_keeps_last_n(toy_model_dir, tmp_path, monkeypatch):
