@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1059,8 +1060,10 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
         engine_pids = _descendants(actor_pid)  # vLLM's engine core and worker
         assert engine_pids
         if len(os.sched_getaffinity(0)) >= 2:  # each rank on its own core(s); vLLM's processes stay on the actor's
-            learner_cores = set(ast.literal_eval(text.split("[rank 0] pinned to CPU cores ")[1].split("\n")[0]))
-            actor_cores = set(ast.literal_eval(text.split("[rank 1] pinned to CPU cores ")[1].split("\n")[0]))
+            # two ranks print into one log: a line may run into the other rank's, so read the list itself
+            learner_cores, actor_cores = (
+                set(ast.literal_eval(re.search(rf"\[rank {r}\] pinned to CPU cores (\[[\d, ]*\])", text).group(1)))
+                for r in (0, 1))
             assert learner_cores and actor_cores and not learner_cores & actor_cores
             assert all(os.sched_getaffinity(p) == actor_cores for p in [actor_pid, *engine_pids])
         os.kill(actor_pid, signal.SIGKILL)
