@@ -406,23 +406,51 @@ def split_into_sentences(text: str) -> list[str]:
     return sentences
 
 
-# Words that end in a period without ending a sentence: the common ones of punkt's English abbreviations.
-_ABBREVIATIONS = frozenset("mr mrs ms dr st jr sr prof inc ltd co corp vs u.s u.k u.n d.c a.m p.m ph.d jan feb aug "
-                           "sep sept oct nov dec gen col lt ft calif ave messrs".split())
+# Words that end in a period without ending a sentence unless the next word starts one: punkt's English model's
+# abbreviation list (abbrev_types of NLTK's punkt_tab/english, 155 entries besides ". . ", which is never one
+# whitespace-separated word; the same set is printed in nltk/nltk issue #2500). The single letters are initials,
+# which `_ends_sentence` handles first.
+_ABBREVIATIONS = frozenset(
+    "adm ala ariz aug ave bros c calif chg cie co col colo conn corp cos ct d dec dr e f feb fla fri ft g "
+    "ga gen h ill inc jan jr k kan ky l lt ltd m maj messrs mg mich minn mr mrs ms n nev nov oct ok okla "
+    "ore p pa prof r rep reps s sen sep sept sr st sw t tenn tues v va vs vt w wash wed wis yr a.a a.c "
+    "a.d a.g a.h a.m a.m.e a.s a.t b.f b.v c.i.t c.o.m.b c.v d.c d.h d.w e.f e.h e.l e.m f.g f.j g.d g.f "
+    "g.k h.c h.f h.m i.m.s j.b j.c j.j j.k j.p j.r l.a l.f l.p m.b.a m.d.c m.j n.c n.d n.h n.j n.m n.v "
+    "n.y p.a.m p.m ph.d r.a r.h r.i r.j r.k r.t s.a s.a.y s.c s.g s.p.a s.s t.j u.k u.n u.s u.s.a u.s.s.r "
+    "w.c w.r w.va w.w"
+    .split())
+# Listed abbreviations that are also everyday words. punkt ends a sentence after an abbreviation before a
+# capitalized word that its corpus statistics show is a sentence's first (seen lowercase, never capitalized in
+# mid-sentence); without those statistics a capitalized word of unknown kind counts as a name (no break, right
+# after "Dr." / "Mr."), except after these, where it is far more often the next sentence ("It is ok. Let me ...").
+_WORD_ABBREVIATIONS = frozenset("ill ok ore wash wed".split())
 _CLOSERS = "])}>\"'\u00bb\u201d\u2019"  # may follow a sentence's final period
 _ENDERS = frozenset(".?!" + _CLOSERS)  # the last character of a word that may end a sentence
-_OPEN_DOUBLE = re.compile(r"(?m)^\"|(?<=[ (\[{<])(?:\"|'')")
+_OPEN_DOUBLE = re.compile(r"(?<=[ (\[{<])(?:\"|'')")
 _OPEN_SINGLE = re.compile(r"(?i)(?<!\w)'(?!(?:re|ve|ll|m|t|s|d|n)\b)(?=\w)")
-_PADDED = re.compile(r"\.{2,}|--|[;@#$%&\u2012-\u2015?!*\[\](){}<>]")
-_CLITICS = re.compile(r"(?<=[^' ])('[sSmMdD]|'|'ll|'LL|'re|'RE|'ve|'VE|n't|N'T)(?= )")
-_CONTRACTIONS = re.compile(r"(?i)\b(?:(can)(not)|(d)('ye)|(gim|lem)(me)|(gon)(na)|(got)(ta)|(more)('n))\b"
-                           r"|\b(wan)(na)(?=\s)| ('t)(is|was)\b")
+_PADDED = re.compile(r"\.{2,}|[;@#$%&\u2012-\u2015?!]")  # before the "' " rule; asterisks, brackets and dashes after
+_PADDED_LATE = re.compile(r"[*\[\](){}<>]|--")
+# Clitics split off before a space, in two passes as NLTK does: "can't'" ends in "'" first, then in "n't".
+_CLITICS = (re.compile(r"(?<=[^' ])('[sSmMdD]|')(?= )"),
+            re.compile(r"(?<=[^' ])('ll|'LL|'re|'RE|'ve|'VE|n't|N'T)(?= )"))
+# MacIntyre's contractions, the ones needing a space before them after the others ("gonna'tis": gon na 't is).
+_CONTRACTIONS = (re.compile(r"(?i)\b(?:(can)(not)|(d)('ye)|(gim|lem)(me)|(gon)(na)|(got)(ta)|(more)('n))\b"
+                            r"|\b(wan)(na)(?=\s)"), re.compile(r"(?i) ('t)(is|was)\b"))
 
 
 # Capitalized, these end a sentence even after an abbreviation (punkt's English sentence starters).
 _SENTENCE_STARTERS = frozenset("according although among both but despite even he however i if in indeed instead it "
                                "many meanwhile moreover most nevertheless nonetheless nor sales separately similarly "
                                "since so some the there these they this though thus under when while yet".split())
+
+
+# punkt's word tokens (its word_tokenize): "--" or "...", a word up to a mark that cannot be inside one ("I'm" is
+# "I", "'m"), or one mark. The marks that cannot start one it splits off the front ("**Dr." is "*", "*", "Dr."; it
+# keeps a quote: "'Dr." is no abbreviation to it).
+_PUNKT_MARK = "[)\";}\\]*:@'({\\[\u2018\u2019\u201c\u201d\u00ab\u00bb!?]|-{2,}|\\.{2,}"
+_PUNKT_TOKEN = re.compile(rf"-{{2,}}|\.{{2,}}|(?=[^(\"`{{\[:;&#*@)}}\]\-,])\S+?"
+                          rf"(?=\s|$|{_PUNKT_MARK}|,(?=$|\s|{_PUNKT_MARK}))|\S")
+_PUNKT_WORD_FRONT = "(\"`{[:;&#*@)}]-,"
 
 
 def _ortho_starts_sentence(word: str) -> bool | None:
@@ -432,7 +460,7 @@ def _ortho_starts_sentence(word: str) -> bool | None:
         return False if word[:1] in ";:,.!?" else None
     if word[:1].islower():
         return False
-    return True if word.lower().rstrip(".,;:!?\"')]") in _SENTENCE_STARTERS else None
+    return True if _PUNKT_TOKEN.match(word).group(0).rstrip(".").lower() in _SENTENCE_STARTERS else None
 
 
 def _ends_sentence(word: str, next_word: str) -> bool:
@@ -444,14 +472,16 @@ def _ends_sentence(word: str, next_word: str) -> bool:
     starts = _ortho_starts_sentence(word[len(core):] or next_word)  # a closing bracket or quote comes next
     if core.endswith(".."):  # an ellipsis, like an abbreviation
         return starts is True
-    stem = core[:-1].lstrip(_CLOSERS + "([{<\u201c\u2018`").lower()
+    stem = core[:-1].lstrip(_PUNKT_WORD_FRONT).lower()
     if not stem:
         return False
     if re.fullmatch(r"-?[.,]?\d[\d,.-]*", stem):  # a number: only a lowercase word or a mark keeps the sentence
         return starts is not False
     if len(stem) == 1 and stem.isalpha():  # an initial: some are listed abbreviations; a name may follow
-        return stem not in "cdefghklmnprstvw" and (starts is True or starts is None and not next_word[:1].isupper())
+        return stem not in _ABBREVIATIONS and (starts is True or starts is None and not next_word[:1].isupper())
     if stem in _ABBREVIATIONS or stem.split("-")[-1] in _ABBREVIATIONS:
+        if stem in _WORD_ABBREVIATIONS:  # "ok.", "ill.": a capitalized word after one starts a sentence
+            return starts is True or starts is None and next_word[:1].isupper()
         return starts is True
     return True
 
@@ -464,17 +494,23 @@ def _treebank_tokens(lines: str) -> list[str]:
     """Tokens of sentences given one a line, by the Penn Treebank rules as NLTK's word tokenizer applies them
     to each sentence, in its order (all lines at once: a rule anchored at a sentence's start or end uses ^ / $)."""
     s = re.sub("([\u00ab\u201c\u2018\u201e]|`+)", r" \1 ", lines)
-    s = _OPEN_DOUBLE.sub(" `` ", s.replace("``", " `` "))
+    s = _OPEN_DOUBLE.sub(" `` ", re.sub(r'(?m)^"', "``", s).replace("``", " `` "))
     s = _FINAL_PERIOD.sub(" . ", _OPEN_SINGLE.sub("' ", s))
     s = re.sub(r"(?m)([:,])$", r" \1 ", re.sub(r"([:,])([^\d])", r" \1 \2", s))  # not inside 1,000 or 10:30
-    s = re.sub(r"([^'])' ", r"\1 ' ", _PADDED.sub(r" \g<0> ", s))
+    s = _PADDED_LATE.sub(r" \g<0> ", re.sub(r"([^'])' ", r"\1 ' ", _PADDED.sub(r" \g<0> ", s)))
     s = re.sub("([\u00bb\u201d\u2019])", r" \1 ", " " + s + " ").replace("''", " '' ").replace('"', " '' ")
-    s = _CLITICS.sub(r" \1", re.sub(r"\s+", " ", s))
-    return _CONTRACTIONS.sub(lambda m: " " + " ".join(g for g in m.groups() if g) + " ", s).split()
+    s = re.sub(r"\s+", " ", s)
+    for rule in _CLITICS:
+        s = rule.sub(r" \1", s)
+    for rule in _CONTRACTIONS:
+        s = rule.sub(lambda m: " " + " ".join(g for g in m.groups() if g) + " ", s)
+    return s.split()
 
 
 # Whitespace-separated words, also cut after a period that punkt sees as ending a sentence before a mark ("bold.**").
 _WORD_PIECES = re.compile(r"\S*?\.(?=[?!;*:@({\[])|\S+")
+_NON_SPACE = re.compile(r"\S+")
+_INNER_END = re.compile(r"[.?!]\S")  # a word with a sentence end inside has one of these
 
 
 def _split_trailing_marks(last: str) -> list[str]:
@@ -488,17 +524,30 @@ def _split_trailing_marks(last: str) -> list[str]:
     return [last]
 
 
+def _breaks_inside(word: str) -> bool:
+    """Whether punkt sees a sentence end inside this word, before its last token ("Smith." in 'Smith."'). punkt
+    judges a period by its word and the next one together, so such a next word ends a sentence there too:
+    'Call Dr. Smith."' is 'Call Dr.', 'Smith."'."""
+    if not _INNER_END.search(word):
+        return False
+    tokens = _PUNKT_TOKEN.findall(word)
+    return any(t in ".?!" or _ends_sentence(t, n) for t, n in zip(tokens, tokens[1:]))
+
+
 def punkt_sentences(text: str) -> list[str]:
     """Sentences roughly as NLTK's punkt (English model) finds them, with no model to download: after '?' / '!',
     and after a final period unless `_ends_sentence` says the period is an abbreviation's, an initial's or a
-    number's; not at line breaks. Used where the reference counts sentences with punkt."""
+    number's (and even then where the next word holds a sentence end, `_breaks_inside`); not at line breaks.
+    Used where the reference counts sentences with punkt."""
     sentences, start = [], 0
     words = list(_WORD_PIECES.finditer(text))
     for m, following in zip(words, words[1:]):
         word = m.group(0)
         if word[-1] not in _ENDERS:
             continue
-        if word.rstrip(_CLOSERS)[-1:] in ("?", "!") or _ends_sentence(word, following.group(0)):
+        if (word.rstrip(_CLOSERS)[-1:] in ("?", "!") or _ends_sentence(word, following.group(0))
+                or word[-1] == "." and following.start() > m.end()
+                and _breaks_inside(_NON_SPACE.match(text, following.start()).group(0))):
             sentences.append(text[start:m.end()].strip())
             start = m.end()
     rest = text[start:].strip()

@@ -402,6 +402,63 @@ def test_ifeval_word_tokens_follow_treebank_rules():
         "I", "ca", "n't", ",", "it", "'s", "Mr.", "Smith", "'s", "well-known", "U.S.", "dog", "...", "ok", "?"]
 
 
+def test_ifeval_punkt_knows_the_english_models_abbreviations():
+    # punkt's English model lists u.s.a, n.y, l.a and bros among its abbreviations, and it never ends a sentence
+    # after one when a lowercase word follows: NLTK's sent_tokenize gives each of these texts as one sentence.
+    for text in ["I moved to the U.S.A. last year.", "She flew to N.Y. on Monday.", "Warner Bros. released it in May.",
+                 "We met in L.A. and then left."]:
+        assert V.punkt_sentences(text) == [text]
+    # Some listed ones are everyday words ("ok", "ill"): there a capitalized word is taken as the next sentence (punkt
+    # decides it by corpus statistics this splitter does not have), a lowercase one still continues the sentence.
+    assert V.punkt_sentences("It is ok. Let me know.") == ["It is ok.", "Let me know."]
+    assert V.punkt_sentences("I feel ill. Please help. I was ill. and tired.") == [
+        "I feel ill.", "Please help.", "I was ill. and tired."]
+    assert V.punkt_sentences("Ask Dr. Watson.") == ["Ask Dr. Watson."]
+    # "c" is one of its initials, after which it never ends a sentence, even before a sentence starter.
+    assert V.punkt_sentences("Vitamin C. The end.") == ["Vitamin C. The end."]
+    # So the reference finds 1 sentence (< 2), and unique tokens: "U.S.A." keeps its period, one "." ends the text.
+    text = "I moved to the U.S.A. last year."
+    assert V.word_tokens(text) == ["I", "moved", "to", "the", "U.S.A.", "last", "year", "."]
+    for inst, kwargs in [("length_constraints:number_sentences", {"num_sentences": 2, "relation": "less than"}),
+                         ("count:count_unique", {})]:
+        assert verify("ifeval", text, str([{"instruction_id": [inst], "kwargs": [kwargs]}])).score == 1.0, inst
+
+
+def test_ifeval_punkt_sees_words_as_its_tokens_and_judges_a_period_with_the_next_word():
+    # NLTK's sent_tokenize (English model) on these: punkt's next token after "U.S.A." is "I" of "I'm", a sentence
+    # starter; it splits "*" off the front of "**Dr." (an abbreviation) but keeps the quote in "'Dr." (none);
+    # and it ends a sentence at a period whose next word holds a sentence end before its last token ('Smith."').
+    for text, sentences in [("I live in the U.S.A. I'm happy.", ["I live in the U.S.A.", "I'm happy."]),
+                            ("We met **Dr. and Mrs. Smith** today.", ["We met **Dr. and Mrs. Smith** today."]),
+                            ("It was 'Dr. Who' there.", ["It was 'Dr.", "Who' there."]),
+                            ('He said, "Call Dr. Smith." Then.', ['He said, "Call Dr.', 'Smith."', "Then."]),
+                            ("(We moved to N.Y. later.) Then.", ["(We moved to N.Y.", "later.)", "Then."])]:
+        assert V.punkt_sentences(text) == sentences, text
+
+
+def test_ifeval_word_tokens_split_a_contraction_before_a_closing_quote():
+    # NLTK's word tokenizer splits the closing quote off first, then the clitic before it, at the end of the text too.
+    assert V.word_tokens("He said 'I CAN'T'") == ["He", "said", "'", "I", "CA", "N'T", "'"]
+    assert V.word_tokens("Tell them 'I won't'") == ["Tell", "them", "'", "I", "wo", "n't", "'"]
+    assert V.word_tokens('She wrote "\'I\'ve\'" twice.') == ["She", "wrote", "``", "'", "I", "'ve", "'", "''", "twice",
+                                                          "."]
+    # So the reference counts 3 capital words (I, CA, N'T) and finds "n't" as the 6th token.
+    for inst, kwargs, response in [
+            ("change_case:capital_word_frequency", {"capital_frequency": 3, "capital_relation": "at least"},
+             "He said 'I CAN'T'"),
+            ("keywords:keyword_specific_position", {"keyword": "n't", "n": 1, "m": 6}, "Tell them 'I won't'")]:
+        assert verify("ifeval", response, str([{"instruction_id": [inst], "kwargs": [kwargs]}])).score == 1.0, inst
+
+
+def test_ifeval_word_tokens_pad_brackets_and_asterisks_after_the_quote_rule():
+    # NLTK pads ( ) [ ] * -- only after splitting "' " off, so a quote before one of them leaves the clitic: these are
+    # NLTK's word tokens. A text's opening '"' is `` before the rule for '"' / "''" after a space or bracket runs.
+    assert V.word_tokens("(He said 'it's')") == ["(", "He", "said", "'", "it's", "'", ")"]
+    assert V.word_tokens("*'It's'* he said.") == ["*", "'", "It's", "'", "*", "he", "said", "."]
+    assert V.word_tokens("It's 'John's'--really") == ["It", "'s", "'", "John's", "'", "--", "really"]
+    assert V.word_tokens('""Hi" there') == ["``", "``", "Hi", "''", "there"]
+
+
 def _hostile_label(inst: str) -> dict:
     pool = {"keywords": ["a"], "keyword": "a", "frequency": 1, "relation": "at least", "forbidden_words": ["b"],
             "letter": "a", "let_frequency": 1, "let_relation": "at least", "language": "en", "num_sentences": 1,
