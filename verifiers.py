@@ -96,6 +96,7 @@ Usage
 import argparse
 import ast
 import asyncio
+import builtins
 import collections
 import concurrent.futures
 import ctypes
@@ -276,7 +277,11 @@ def _signal_timeout_ok() -> bool:
 
 # Powers of powers, 4+ digit exponents and factorials: sympy computes them in C, where no signal
 # reaches, for minutes. Without a timeout (off the main thread) such answers are compared as strings.
-_SYMPY_UNSAFE = re.compile(r"(?:\^|\*\*)\s*\{?\s*[-+(]*\s*\d{4,}|(?:\^|\*\*)\s*\{[^{}]*(?:\^|\*\*)|\d{4,}\s*!")
+# Possessive quantifiers and a digit run matched only from its start: linear in the answer's length (the guard
+# protects the path that has no timeout, so it must not be slow itself).
+_SYMPY_UNSAFE = re.compile(r"(?:\^|\*\*)\s*+(?:\{\s*+)?[-+(\s]*+\d{4}"  # a 4+ digit exponent
+                           r"|(?:\^|\*\*)\s*+\{[^{}^*]*+(?:\*(?!\*)[^{}^*]*+)*+(?:\^|\*\*)"  # a power in an exponent
+                           r"|(?<!\d)\d{4,}+\s*+!")  # the factorial of a 4+ digit number
 
 
 def _math_norm(s: str) -> str:
@@ -813,8 +818,13 @@ def quotation(t: str) -> bool:
 
 def _find_phrases(t: str, first: str, last: str) -> list[str]:
     """What re.findall(f"{first} .*? {last}", t) returns, in linear time for plain words."""
-    if re.search(r"[.^$*+?{}\[\]\\|()]", first + last):
-        return re.findall(rf"{first} .*? {last}", t)
+    if re.search(r"[.^$*+?{}\[\]\\|()]", first + last):  # a regex as the reference reads it: quadratic at worst
+        import regex  # re has no timeout; this one does (a requirement of transformers)
+
+        try:
+            return regex.findall(rf"{first} .*? {last}", t, timeout=1.0)
+        except (TimeoutError, regex.error):
+            return []  # a response built to stall the match (or a phrase that is no regex) is not followed
     found = []
     for line in t.split("\n"):  # '.' does not cross a newline
         pos = 0
@@ -1178,8 +1188,12 @@ def normalize_answer(s: str) -> str:
 
 def _short_answer(response: str) -> str:
     text = strip_think(response)
-    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.S)
-    return tagged[-1].strip() if tagged else text
+    # The last of re.findall(r"<answer>(.*?)</answer>", text, re.S), found in linear time (that regex is
+    # quadratic in the number of unclosed tags).
+    last, pos = None, 0
+    while (start := text.find("<answer>", pos)) >= 0 and (end := text.find("</answer>", start + 8)) >= 0:
+        last, pos = text[start + 8:end], end + 9
+    return last.strip() if last is not None else text
 
 
 def string_match(response: str, label: Any) -> VerifierResult:
@@ -1337,7 +1351,9 @@ def reachable(root, path):
 
 
 root, uid = cfg["root"], cfg["uid"]
-tmpfs(root, 1, "755")
+# The root is never made here: once the pool has removed a killed worker's work dir, a setup still running
+# must not make it again on the host (it would be left behind).
+mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=1m,mode=755")
 tmpfs(root + "/tmp", cfg["tmp_mb"])
 for name in os.listdir(cfg["files"]):
     with open(os.path.join(cfg["files"], name), "rb") as src, open(f"{root}/tmp/{name}", "wb") as dst:
@@ -1989,9 +2005,10 @@ for _i, _steps in enumerate(_tests):
         pass
 """
 # Evaluated here on the program's plain values: pure builtins (and math), never the program's.
-_LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bool": bool, "bytes": bytes, "complex": complex, "dict": dict,
-                "divmod": divmod, "float": float, "frozenset": frozenset, "int": int, "isinstance": isinstance,
-                "len": len, "list": list, "max": max, "min": min, "reversed": reversed, "round": round, "set": set,
+_LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bin": bin, "bool": bool, "bytes": bytes, "chr": chr,
+                "complex": complex, "dict": dict, "divmod": divmod, "float": float, "frozenset": frozenset,
+                "hex": hex, "int": int, "isinstance": isinstance, "len": len, "list": list, "max": max, "min": min,
+                "oct": oct, "ord": ord, "repr": repr, "reversed": reversed, "round": round, "set": set,
                 "sorted": sorted, "str": str, "sum": sum, "tuple": tuple, "type": type}
 _LOCAL_MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "sqrt", "pi", "e", "inf", "nan",
                "trunc", "log", "log2", "log10", "exp", "gcd", "prod", "fsum"}
@@ -2007,6 +2024,7 @@ _TEST_ONLY_NODES = (*_LOCAL_NODES, ast.ListComp, ast.SetComp, ast.DictComp, ast.
                     ast.boolop, ast.cmpop)
 _TEST_ONLY_CALLS = {"range", "enumerate", "zip", "map", "filter"}
 _MAX_ITEMS = 5000  # a larger set or dict of the program's is opaque: colliding hashes make it quadratic
+_MAX_SIZE = 10 ** 7  # items or characters (or bits of an int) that an operation here may make of the program's values
 
 
 class _Opaque:
@@ -2040,6 +2058,60 @@ class _Leaves(dict):
         return value
 
 
+def _hash_safe(items: list) -> list:
+    """`items`, unless they are many whose hashes collide (ints k * (2**61 - 1) all hash alike): a set or dict of
+    them takes quadratic time to build here, outside the sandbox's limits. Distinct items rarely collide."""
+    if len(items) > 64 and len({hash(v) for v in items}) < len(items) // 2:
+        raise ValueError("colliding hashes")
+    return items
+
+
+def _bin(op: str, left: Any, right: Any) -> Any:
+    """`left op right` for the checks here, refusing results that would take the caller's memory or time
+    (`[0] * f(x)` with f returning 10**9, `2 ** f(x)`): the sandbox's budget does not cover this process."""
+    if op == "Mult":
+        n, seq = (left, right) if isinstance(left, int) else (right, left)
+        if isinstance(n, int) and isinstance(seq, (str, bytes, list, tuple)) and len(seq) * n > _MAX_SIZE:
+            raise ValueError("result too large")
+    elif op in ("Pow", "LShift") and isinstance(left, int) and isinstance(right, int):
+        bits = right if op == "LShift" else right * max(abs(left).bit_length() - 1, 0)
+        if bits > _MAX_SIZE:
+            raise ValueError("result too large")
+    return _BINARY_OPS[op](left, right)
+
+
+_BINARY_OPS = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lambda a, b: a * b,
+               "MatMult": lambda a, b: a @ b, "Div": lambda a, b: a / b, "FloorDiv": lambda a, b: a // b,
+               "Mod": lambda a, b: a % b, "Pow": lambda a, b: a ** b, "LShift": lambda a, b: a << b,
+               "RShift": lambda a, b: a >> b, "BitOr": lambda a, b: a | b, "BitXor": lambda a, b: a ^ b,
+               "BitAnd": lambda a, b: a & b}
+
+
+class _GuardOps(ast.NodeTransformer):
+    """Every binary operation of a check goes through `_bin`."""
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
+        self.generic_visit(node)
+        return ast.copy_location(ast.Call(func=ast.Name(id="_bin", ctx=ast.Load()),
+                                          args=[ast.Constant(type(node.op).__name__), node.left, node.right],
+                                          keywords=[]), node)
+
+
+def _sized(make: Callable) -> Callable:
+    """A constructor (set, dict, bytes, ...) that refuses the program's hostile values: an int asking for
+    gigabytes (`bytes(10**10)`), or items whose hashes collide."""
+    def call(*args, **kwargs):
+        if args and type(args[0]) is int and args[0] > _MAX_SIZE:
+            raise ValueError("result too large")
+        if make in (set, frozenset, dict) and args and isinstance(args[0], (list, tuple, str, bytes)):
+            items = list(args[0])
+            _hash_safe([item[0] if make is dict and isinstance(item, (list, tuple)) and item else item
+                        for item in items])
+            args = (items, *args[1:])
+        return make(*args, **kwargs)
+    return call
+
+
 def _decode(x: Any) -> Any:
     tag = x[0]
     if tag in ("n", "b", "s"):
@@ -2050,10 +2122,13 @@ def _decode(x: Any) -> Any:
         return bytes.fromhex(x[1])
     if tag in ("S", "F", "d") and len(x[1]) > _MAX_ITEMS:
         return _Opaque(f"{tag}:{len(x[1])} items")
-    if tag in ("l", "t", "S", "F"):
-        return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](_decode(v) for v in x[1])
+    if tag in ("l", "t"):
+        return (list if tag == "l" else tuple)(_decode(v) for v in x[1])
+    if tag in ("S", "F"):
+        return (set if tag == "S" else frozenset)(_hash_safe([_decode(v) for v in x[1]]))
     if tag == "d":
-        return {_decode(k): _decode(v) for k, v in x[1]}
+        keys = _hash_safe([_decode(k) for k, _ in x[1]])
+        return dict(zip(keys, (_decode(v) for _, v in x[1])))
     if tag == "e":
         return _Raised(str(x[1])[:100])
     return _Opaque(str(x[1])[:1000])
@@ -2108,47 +2183,125 @@ def _split(node: ast.expr, leaves: list[str], names: set[str]) -> ast.expr:
     return ast.copy_location(ast.Name(id=f"_v{len(leaves) - 1}", ctx=ast.Load()), node)
 
 
-def _plan_test(test: str, shadowed: set[str]) -> tuple[list, list] | None:
+# Names whose sandbox value is never the program's answer: the builtins (the program may replace them there).
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def _spine_root(node: ast.expr) -> str | None:
+    """The name a value hangs from: `f` of `f(2)[0].x`, `Solution` of `Solution().run(3)`; None for anything
+    else (a comprehension, a lambda, a constant's method) and for a dunder on the way (`f(2).__eq__(4)`)."""
+    while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("__"):
+            return None
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _program_value(node: ast.expr, not_program: set[str]) -> bool:
+    """Whether the sandbox's value of `node` is the program's answer: a call into, or a value of, what the program
+    defines. Anything else evaluated there (a comparison inside a comprehension, a helper the test defines, an
+    expected value built with an imported class, a builtin) the program could forge, so a test needing one is
+    not judged."""
+    root = _spine_root(node)
+    return root is not None and root not in not_program and root not in _BUILTIN_NAMES
+
+
+def _bound_names(stmt: ast.stmt) -> set[str]:
+    """Names a top-level statement of a test binds: assigned, defined, imported."""
+    names = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names.add(stmt.name)
+    elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        names.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+    return names
+
+
+def _calls_shadowed_builtin(node: ast.expr, shadowed: set[str], names: set[str]) -> bool:
+    """A call of a builtin that the program redefines, on the test's own values (`sum(1, 2)` with the program's
+    `def sum`): the program's function or the builtin? Neither reading is safe to judge."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in shadowed
+               and n.func.id in _LOCAL_CALLS and all(_test_only(a, names) for a in n.args)
+               for n in ast.walk(node))
+
+
+def _plan_test(test: str, shadowed: set[str], imported: set[str] = frozenset()) -> tuple[list, list] | None:
     """(steps for the sandbox: ["exec", source] runs there, ["eval", [sources]] reports values;
     steps here: ("check", j, expression over the values of step j, how many) per top-level assert,
     ("set", statement) for `name = <test-only expression>`, so that an expected value the test
-    keeps in a variable is also computed here, out of the program's reach). None: no such assert."""
+    keeps in a variable is computed here, out of the program's reach: it is sent to the sandbox only where a
+    later step there reads it). None: no such assert, or one whose verdict the program could forge.
+
+    `shadowed`: names the program defines at top level; builtins and math here are always the real ones.
+    `imported`: names the program imports (a module's function is not the program's answer)."""
     try:
         tree = ast.parse(test)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    names = (set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | {"math"}) - shadowed
-    steps, here = [], []
+    names = set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | {"math"}
+    not_program = set(imported)  # roots whose sandbox value is not the program's: the test's helpers, imports
+    steps, here, sets = [], [], {}
     for stmt in tree.body:
         if isinstance(stmt, ast.Assert):
+            if _calls_shadowed_builtin(stmt.test, shadowed, names):
+                return None
             leaves: list[str] = []
-            expr = ast.fix_missing_locations(ast.Expression(_split(stmt.test, leaves, names)))
+            split = _GuardOps().visit(_split(stmt.test, leaves, names))
+            if not all(_program_value(ast.parse(leaf, mode="eval").body, not_program) for leaf in leaves):
+                return None
             steps.append(["eval", leaves])
+            expr = ast.fix_missing_locations(ast.Expression(split))
             here.append(("check", len(steps) - 1, compile(expr, "<test>", "eval"), len(leaves)))
             continue
         steps.append(["exec", ast.unparse(stmt)])
-        stored = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        if isinstance(stmt, ast.Import) and [(a.name, a.asname) for a in stmt.names] == [("math", None)]:
+            continue  # math here is our own
+        if isinstance(stmt, ast.ImportFrom) and stmt.module == "math" and all(
+                a.name in _LOCAL_MATH and a.asname is None for a in stmt.names):
+            for a in stmt.names:  # `from math import isclose`: math's isclose, here
+                here.append(("set", compile(f"{a.name} = math.{a.name}", "<test>", "exec")))
+                names.add(a.name)
+                not_program.discard(a.name)
+            continue
+        stored = _bound_names(stmt)
         simple = isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-        if simple and stmt.targets[0].id not in shadowed and _test_only(stmt.value, names):
+        if simple and _test_only(stmt.value, names):
             here.append(("set", compile(ast.Module([stmt], []), "<test>", "exec")))
             names.add(stmt.targets[0].id)
+            not_program.discard(stmt.targets[0].id)
+            sets[len(steps) - 1] = stmt.targets[0].id
+            continue
+        names -= stored
+        # `result = f(2)`: the program's answer under a name; `ok = f(2) == 4`, a `def`, an import: not
+        if isinstance(stmt, ast.Assign) and _program_value(stmt.value, not_program):
+            not_program -= stored
         else:
-            names -= stored
-    return (steps, here) if any(h[0] == "check" for h in here) else None
+            not_program |= stored
+    if not any(h[0] == "check" for h in here):
+        return None
+    # The test's own values reach the sandbox only where a later step there reads them (an input, not an
+    # expected value: `expected = 4` then `assert f(2) == expected` must not let f return `expected`).
+    read: set[str] = set()
+    for k in range(len(steps) - 1, -1, -1):
+        if k in sets and sets[k] not in read:
+            steps[k] = ["exec", "pass"]
+            continue
+        for source in (steps[k][1] if steps[k][0] == "eval" else [steps[k][1]]):
+            read |= {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    return steps, here
 
 
-def _top_level_names(program: str) -> set[str]:
-    """Names the program defines at module level: a test's `sorted(...)` then means the program's."""
-    names = set()
+def _top_level_names(program: str) -> tuple[set[str], set[str]]:
+    """Names the program defines at module level, and those it imports."""
+    defined, imported = set(), set()
     for node in ast.parse(program).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
+            defined.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-    return names
+                defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return defined, imported
 
 
 def _reports(channel: str, plans: list) -> dict[tuple[int, int], list | None]:
@@ -2178,7 +2331,8 @@ def _test_passed(i: int, plan: tuple[list, list] | None, reports: dict) -> bool:
     if plan is None:
         return False
     namespace = {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS, "range": range, "enumerate": enumerate,
-                 "zip": zip, "map": map, "filter": filter}
+                 "zip": zip, "map": map, "filter": filter, "_bin": _bin,
+                 **{name: _sized(_LOCAL_CALLS[name]) for name in ("set", "frozenset", "dict", "bytes")}}
     for step in plan[1]:
         try:
             if step[0] == "set":  # the test's own constant, e.g. `expected = [1, 2]`
@@ -2223,10 +2377,10 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
     if refused:
         return refused
     try:
-        shadowed = _top_level_names(program)
+        shadowed, imported = _top_level_names(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        shadowed = set()
-    plans = [_plan_test(t, shadowed) for t in tests]
+        shadowed, imported = set(), set()
+    plans = [_plan_test(t, shadowed, imported) for t in tests]
     judged = sum(plan is not None for plan in plans)
     if not judged:  # no top-level assert to judge out of the program's reach: the label's fault, never a 0
         return _fail("unsupported_tests", program[:2000], message="no test is a top-level assert statement")

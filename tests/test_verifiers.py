@@ -635,17 +635,26 @@ def test_code_sandbox_isolation():
     server.listen(1)
     port = server.getsockname()[1]
     target = os.path.join(REPO, "tests", "should_not_exist.txt")
+    # The probes are the program's functions: a verdict needs the program's answer (see _program_value)
+    probes = ("import os, socket\n"
+              "def loopback_blocked(port):\n    try:\n        socket.create_connection(('127.0.0.1', port), timeout=1)\n"
+              "        return False\n    except OSError:\n        return True\n"
+              "def cannot_write(path):\n    try:\n        open(path, 'w')\n        return False\n"
+              "    except OSError:\n        return True\n"
+              "def uid():\n    return os.getuid()\n"
+              "def tmp_listing():\n    return os.listdir('/tmp')\n"
+              "def exists(path):\n    return os.path.exists(path)\n"
+              "def pids():\n    return os.getpid(), os.getppid()\n")
     tests = [
-        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    ok = False\n"
-        "except OSError:\n    ok = True\nassert ok",  # our loopback is not its loopback
-        f"try:\n    open({target!r}, 'w')\n    ok = False\nexcept OSError:\n    ok = True\nassert ok",  # not root
-        "import os\nassert os.getuid() != 0",
-        "import os\nassert os.listdir('/tmp') and 'solution.py' in os.listdir('/tmp')",  # private /tmp = workdir
-        f"import os\nassert not os.path.exists({os.path.join(REPO, 'verifiers.py')!r})",  # only the interpreter's dirs
-        f"import os\nassert not os.path.exists('/proc/{os.getpid()}/environ')",  # nor this process's secrets
-        "import os\nassert os.getpid() == 1 and os.getppid() == 0",  # nobody else in its pid namespace
+        f"assert loopback_blocked({port})",  # our loopback is not its loopback
+        f"assert cannot_write({target!r})",  # not root
+        "assert uid() != 0",
+        "assert 'solution.py' in tmp_listing()",  # private /tmp = workdir
+        f"assert not exists({os.path.join(REPO, 'verifiers.py')!r})",  # only the interpreter's dirs
+        f"assert not exists('/proc/{os.getpid()}/environ')",  # nor this process's secrets
+        "assert pids() == (1, 0)",  # nobody else in its pid namespace
     ]
-    r = verify("code", py("x = 1"), tests, code_timeout=5)
+    r = verify("code", py(probes), tests, code_timeout=5)
     server.close()
     assert r.score == 1.0, r.details
     assert not os.path.exists(target)
@@ -1037,6 +1046,94 @@ def test_forged_pass_from_the_callers_frame_scores_zero():
     assert (r.score, r.error) == (0.0, None), r
     # values are compared here: the program's own __eq__ or a patched builtin has no say
     assert verify("code", py(HOSTILE["always_equal"][0]), DOUBLE_TESTS).score == 0.0
+
+
+YES_F = "class Yes:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()\n"
+WRONG_F = "def f(x):\n    return -1\n"
+REPORT_ANYTHING = "import sys\nsys.modules['__main__']._enc = lambda v, depth=0: {}\n"  # the harness reports that
+
+
+@needs_sandbox
+@pytest.mark.parametrize("program, tests", [
+    # a comparison evaluated where the program runs: inside a comprehension, a generator, a test's own helper
+    (YES_F, ["assert all([f(x) == 2 * x for x in [1, 2, 3]])"]),
+    (WRONG_F + REPORT_ANYTHING.format("['l', []]"), ["assert all(f(x) == 2 * x for x in [1, 2, 3])"]),
+    (YES_F, ["def same(a, b):\n    return a == b\nassert same(f(2), 4)"]),
+    # an expected value built there (an imported class): both sides are the program's to report
+    (WRONG_F + REPORT_ANYTHING.format("['n']"), ["from fractions import Fraction\nassert f(1) == Fraction(1, 2)"]),
+    (WRONG_F + "import numpy as np\nnp.array_equal = lambda *a: True\n",
+     ["import numpy as np\nassert np.array_equal(f(2), np.array([4]))"]),
+    # the expected value in a variable: the program must not see it
+    ("def f(x):\n    return expected\n", ["expected = 4\nassert f(2) == expected", "expected = 6\nassert f(3) == expected"]),
+    # builtins and math the program replaces: the test means the real ones
+    ("def abs(x):\n    return 0\n" + WRONG_F, ["assert abs(f(2) - 4.0) < 1e-9", "assert abs(f(3) - 6.0) < 1e-9"]),
+    ("import math\nmath.isclose = lambda *a, **k: True\n" + WRONG_F,
+     ["assert math.isclose(f(2), 4.0)", "from math import isclose\nassert isclose(f(3), 6.0)"]),
+    (WRONG_F + "import builtins\nbuiltins.ord = lambda c: 97\n", ["assert ord(f(2)) == 97"]),
+    (YES_F, ["assert f(2).__eq__(4)"]),
+])
+def test_a_wrong_program_cannot_pass_through_the_shape_of_a_test(program, tests):
+    """Red-team findings: each of these wrong programs scored 1.0. A verdict is judged here only on the program's
+    answers (values of calls into what it defines); a test that needs anything else from the sandbox is not judged
+    (unsupported_tests: never a score)."""
+    r = verify("code", py(program), tests, code_timeout=5)
+    assert r.score == 0.0, (r.error, r.details)
+
+
+@needs_sandbox
+def test_those_shapes_still_judge_a_right_program():
+    tests = ["expected = 4\nassert f(2) == expected", "assert abs(f(3) - 6.0) < 1e-9",
+             "from math import isclose\nassert isclose(f(3), 6.0)", "import math\nassert math.isclose(f(1), 2.0)",
+             "xs = [1, 2]\nassert [f(x) for x in xs] == [2, 4]",  # the comprehension, here, over the program's f
+             "result = f(5)\nassert result == 10", "assert ord(chr(f(40))) == 80"]
+    program = "import math\ndef abs(x):\n    return -1\n" + GOOD_F  # its own abs is no help, and no harm
+    r = verify("code", py(program), tests, code_timeout=5)
+    assert (r.score, r.details["unsupported"]) == (1.0, 1), r.details  # the comprehension over f is not judged
+    # the test's input reaches the sandbox, its expected value does not
+    assert V._plan_test("x = 3\nwant = 6\nassert f(x) == want", set())[0] == [
+        ["exec", "x = 3"], ["exec", "pass"], ["eval", ["f(x)"]]]
+    # `sum(1, 2)` with the program's own `def sum`: its function or the builtin? Not judged
+    assert V._plan_test("assert sum(1, 2) == 3", {"sum"}) is None
+
+
+@needs_sandbox
+@pytest.mark.parametrize("program, tests", [
+    ("def f(x):\n    return 10 ** 8\n", ["assert [0] * f(3) == [0, 0, 0]"]),  # 800 MB here
+    ("def f(x):\n    return 10 ** 9\n", ["assert bytes(f(1)) == b''", "assert 2 ** f(1) > 0"]),
+    ("def f(x):\n    return [k * (2 ** 61 - 1) for k in range(20000)]\n", ["assert set(f(1)) == {1}"]),  # collide
+    (WRONG_F + "P = 2 ** 61 - 1\n" + REPORT_ANYTHING.format(
+        "['l', [['S', [['i', str(k * P + j)] for k in range(5000)]] for j in range(20)]]"), ["assert f(2) == 4"]),
+])
+def test_the_program_cannot_make_this_process_do_its_work(program, tests):
+    """Red-team findings: checks evaluated here on the program's values allocated 800 MB (the sandbox's budget was
+    256 MB) or took 10-25 s (colliding hashes) outside the sandbox's limits."""
+    import resource
+
+    before, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.time()
+    r = verify("code", py(program), tests, code_timeout=5, code_memory_mb=256)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert r.score == 0.0 and time.time() - t0 < 4 and grown_mb < 150, (r.details, time.time() - t0, grown_mb)
+
+
+def test_text_checks_are_linear_on_hostile_responses():
+    """Red-team findings: `<answer>` tags left open made string_match quadratic (32 s for 128 KB); the guard that
+    keeps sympy from hanging when there is no timeout was quadratic in a digit run and cubic in spaces after '^';
+    a repeat_phrase label whose phrase is a regex made the reference's pattern quadratic."""
+    for name, response, label in [
+            ("string_match", "<answer>" * 16384, "x"), ("string_f1", "<answer>" * 16384, "x"),
+            ("ifeval", "a " * 16384, {"instruction_id_list": ["copy:repeat_phrase"],
+                                      "kwargs": [{"phrase": "a b c.", "small_n": 2}]})]:
+        t0 = time.time()
+        r = verify(name, response, label)
+        assert in_bounds(r) and r.score == 0.0 and time.time() - t0 < 2, (name, time.time() - t0)
+    for text in ["1" * 50_000, "^" + " " * 5000 + "x", "^{" + "a*" * 50_000, "**{" * 20_000]:
+        t0 = time.time()
+        V._SYMPY_UNSAFE.search(text)
+        assert time.time() - t0 < 0.1, text[:10]
+    assert V._SYMPY_UNSAFE.search("2^{10000}") and V._SYMPY_UNSAFE.search("12345!")
+    assert V._SYMPY_UNSAFE.search("x^{2*y^3}") and not V._SYMPY_UNSAFE.search("x^2 + 123!")
+    assert V._short_answer("a<answer>x</answer><answer>y</answer>b") == "y"
+    assert V._short_answer("<answer>a<answer>b</answer>") == "a<answer>b"  # as re.findall reads it
 
 
 @needs_sandbox
