@@ -66,17 +66,22 @@ pid namespace's init, so everything it starts (setsid, double forks) dies with i
 limit, and with the caller when the caller is killed; what a killed pool worker leaves on disk is
 removed by the pool. A cgroup per run (where one can be made: root, or a delegated v2 subtree)
 bounds the memory (tmpfs included) and processes of the whole sandbox to `code_memory_mb` and 64;
-without one, 4 processes of a quarter of the budget each. With no usable namespaces (mode "none")
+without one, 4 processes of a quarter of the budget each (an address-space limit: memory a process holds
+without mapping it, memfd files or socket buffers, is then not bounded). With no usable namespaces (mode "none")
 code verifiers return "sandbox_unavailable" unless `allow_unsandboxed_code`; then the program runs as
 the caller, unisolated, below a launcher that is a child subreaper and kills everything below it when
 the program ends, times out or the caller dies (setsid and double forks included; running as the
 caller, a hostile program can still kill the launcher, or the caller). `sandbox_description()`
 says which mode this machine gets. Verdicts are decided here: for `code`, the sandbox only reports
 the values of the parts of each assert that need the program (`f(2)` of `assert f(2) == 4`) and
-this process compares them, so exiting early, forging output, patching builtins or `__eq__` cannot
-pass a test; tests whose asserts are not top-level statements (inside a loop or a function) cannot
-be judged that way: the score is over the others ("unsupported" counts them in the details), and a row
-with none is the error "unsupported_tests" (reported before training, and dropped, never scored 0).
+this process compares them with the real builtins and math, so exiting early, forging output, patching
+builtins or `__eq__` cannot pass a test; the test's expected values reach the sandbox only where a later
+step there reads them. Tests that cannot be judged that way, because their asserts are not top-level
+statements (inside a loop or a function) or because a verdict would need a value that is not the program's
+answer computed in the sandbox (a comparison inside a comprehension, a helper the test defines, an expected
+value built with an imported class), are not judged: the score is over the others ("unsupported" counts them
+in the details), and a row with none is the error "unsupported_tests" (reported before training, and dropped,
+never scored 0).
 For code_stdio this process compares stdout.
 
 Usage
