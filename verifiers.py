@@ -1400,6 +1400,12 @@ if not cfg["userns"]:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+    # The kernel keeps a uid's keyrings across runs (no user namespace of its own here): what an earlier run of
+    # this uid left would be a channel to this one. Start them empty (KEYCTL_CLEAR of the user and user-session
+    # keyrings; an unknown architecture keeps them).
+    SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}.get(os.uname().machine)
+    for keyring in (-4, -5) if SYS_KEYCTL else ():
+        libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_long(7), ctypes.c_long(keyring))
 if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: no setuid binary gives anything back
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])

@@ -1039,6 +1039,25 @@ def test_killed_worker_leaves_no_work_dir_behind():
         assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].score == 1.0  # and the pool goes on
 
 
+KEYRING = ("import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+           "SYS = {'x86_64': (248, 250), 'aarch64': (217, 219)}[os.uname().machine]\n"
+           "if sys.argv[1] == 'add':\n"
+           "    print(libc.syscall(SYS[0], b'user', b'left_by_an_earlier_run', b'x', ctypes.c_size_t(1), -4))\n"
+           "else:  # KEYCTL_SEARCH in the user keyring\n"
+           "    print(libc.syscall(SYS[1], 10, -4, b'user', b'left_by_an_earlier_run', 0))\n")
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="syscall numbers of x86_64 / aarch64")
+def test_a_run_finds_nothing_an_earlier_run_of_its_uid_left_in_the_keyring():
+    """Red-team finding: in namespace mode (root) the sandbox uids are real uids, whose kernel keyrings outlive a
+    run: the ninth run of a worker (the same uid again) read what the first had added."""
+    if V._sandbox_mode() != "namespace":
+        pytest.skip("the namespace mode (root) only: the other modes run in a user namespace of their own")
+    runs = [V.run_sandboxed({"k.py": KEYRING}, [sys.executable, "k.py", "add" if i == 0 else "find"]) for i in range(9)]
+    assert int(runs[0]["stdout"]) > 0, runs[0]  # the key was added
+    assert int(runs[8]["stdout"]) < 0, runs[8]  # the same uid again (8 uids a process): not found
+
+
 @needs_sandbox
 def test_forged_pass_from_the_callers_frame_scores_zero():
     """Finding 5: a wrong solution read the pass sentinel from the harness's frame and scored 1.0."""
