@@ -138,12 +138,20 @@ def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str
 
 def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000, num_rlvr: int = 4000,
                   num_eval: int = 200, max_operand: int = 9, min_operands: int = 2, max_operands: int = 4,
-                  teacher_carry_slip: float = 0.6, teacher_box_slip: float = 0.6) -> dict:
-    """All splits as lists of rows. Evaluation problems never appear in a training split. SFT traces
-    come from the imperfect teacher (`teacher_solution`, both slips); preference, RLVR and eval answers
-    are true."""
+                  teacher_carry_slip: float = 0.6, teacher_box_slip: float = 0.6,
+                  distinct_training_problems: bool = False) -> dict:
+    """All splits as lists of rows. Evaluation problems are distinct and never appear in a training split. SFT
+    traces come from the imperfect teacher (`teacher_solution`, both slips); preference, RLVR and eval answers
+    are true.
+
+    Training problems are drawn independently and may repeat (`distinct_training_problems=False`): there are
+    only 155 two-operand problems with single-digit operands, so distinct draws would leave about 100 of them
+    (1% of the SFT split) after the eval split takes its share, and whether a tiny model then answers the
+    held-out two-operand problems at all was a matter of luck (3% or 42% greedy, by the SFT seed alone).
+    Repeats keep each operand count at its share in every split."""
     rng = random.Random(seed)
-    total = num_sft + num_preference + num_rlvr + num_eval
+    training = num_sft + num_preference + num_rlvr
+    total = num_eval + (training if distinct_training_problems else 0)
     seen, problems = set(), []
     attempts = 0
     while len(problems) < total:
@@ -154,6 +162,15 @@ def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000
         problem = make_problem(rng, max_operand, rng.randint(min_operands, max_operands))
         if problem[0] not in seen:
             seen.add(problem[0])
+            problems.append(problem)
+    attempts = 0
+    while len(problems) < num_eval + training:  # repeats allowed; never an eval problem
+        attempts += 1
+        if attempts > 50 * (num_eval + training):
+            raise ValueError(f"the eval split holds every problem with max_operand={max_operand}, "
+                             f"operands {min_operands}..{max_operands}: make the task harder or ask for fewer rows")
+        problem = make_problem(rng, max_operand, rng.randint(min_operands, max_operands))
+        if problem[0] not in seen:
             problems.append(problem)
 
     def prompt(expr):
@@ -480,6 +497,9 @@ def main():
     p_data.add_argument("--teacher_box_slip", type=float, default=0.6,
                         help="probability that the SFT teacher boxes the result of the step before the last "
                              "(traces of two or more steps)")
+    p_data.add_argument("--distinct_training_problems", action="store_true",
+                        help="no problem twice in the training splits (default: repeats allowed, so that each "
+                             "operand count keeps its share; there are only 155 two-operand problems)")
     p_eval = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 of a model on an eval JSONL "
                                          "(e.g. OUT_DIR/eval.jsonl)")
     p_eval.add_argument("model_dir")

@@ -1,5 +1,6 @@
 """toy.py: the offline model, tokenizer and tasks every other test stands on."""
 
+import collections
 import filecmp
 import json
 import os
@@ -155,7 +156,26 @@ def test_difficulty_is_adjustable():
     steps = lambda rows: max(r["messages"][1]["content"].count("=") for r in rows)  # noqa: E731
     assert steps(easy["sft"]) == 1 and steps(hard["sft"]) >= 3
     with pytest.raises(ValueError, match="distinct problems"):
-        toy.generate_data(seed=0, num_sft=500, num_preference=0, num_rlvr=0, num_eval=0, max_operand=2, max_operands=2)
+        toy.generate_data(seed=0, num_sft=500, num_preference=0, num_rlvr=0, num_eval=0, max_operand=2, max_operands=2,
+                          distinct_training_problems=True)
+    with pytest.raises(ValueError, match="distinct problems"):  # the eval split's problems are always distinct
+        toy.generate_data(seed=0, num_sft=0, num_preference=0, num_rlvr=0, num_eval=500, max_operand=2, max_operands=2)
+
+
+def test_training_problems_repeat_so_every_operand_count_keeps_its_share():
+    """Only 155 two-operand problems exist (single digits): drawn distinct, the eval split took a third of them
+    and the SFT split kept 1% of its rows for them; whether SFT then answered held-out two-operand problems
+    swung from 3% to 42% greedy with the seed alone. Repeats (never of an eval problem) keep their share."""
+    data = toy.generate_data(seed=0)
+    operands = lambda row: len(re.findall(r"[+-]", expression_of(row["messages"][0]["content"]))) + 1  # noqa: E731
+    counts = {split: collections.Counter(map(operands, data[split])) for split in ("sft", "rlvr", "eval")}
+    for split in ("sft", "rlvr"):
+        assert counts[split][2] > 0.2 * len(data[split]), counts  # about a quarter: a third, less the eval's share
+    held_out = {expression_of(r["messages"][0]["content"]) for r in data["eval"]}
+    assert len(held_out) == len(data["eval"]) and not held_out & {expression_of(r["messages"][0]["content"])
+                                                                  for r in data["sft"] + data["rlvr"]}
+    distinct = toy.generate_data(seed=0, distinct_training_problems=True)
+    assert collections.Counter(map(operands, distinct["sft"]))[2] < 0.02 * len(distinct["sft"])
 
 
 # ---------------------------------------------------------------------------------------------
