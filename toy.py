@@ -23,10 +23,13 @@ Each stage gets what it gets in the real recipe, so each has something to add:
   - SFT traces are distilled from an imperfect teacher and never verified (as most SFT data is).
     It makes two consistent slips, and imitation learns both along with everything else:
       - in an addition that crosses a ten it forgets the carry with probability
-        `--teacher_carry_slip` (default 0.6: `17+5=12`), and carries the error forward;
+        `--teacher_carry_slip` (default 0.75: `17+5=12`), and carries the error forward;
       - in a trace of two or more steps it boxes the result of the step before the last with
-        probability `--teacher_box_slip` (default 0.6: `<think>3+5=8\\n8+1=9</think>\\n\\boxed{8}`).
-    Both exceed one half, so greedy decoding after SFT makes both slips.
+        probability `--teacher_box_slip` (default 0.75: `<think>3+5=8\\n8+1=9</think>\\n\\boxed{8}`).
+    Both are well above one half, so greedy decoding after SFT makes both slips whatever the seed (at 0.6
+    the model's learned odds sat near even, and which answers greedy decoding got right changed with the
+    seed: SFT greedy accuracy 11.5 / 12.5 / 36.5% in three seeds); both stay below one, so sampling
+    still finds the right answer for RL to reinforce.
   - Preference pairs follow Olmo 3's delta learning: the chosen answer is correct, the rejected one
     is what a weaker model writes (it forgets every carry; where there is none, one step is off by
     a little). The contrast teaches the carry. Both sides box their own last step, so the box slip
@@ -138,7 +141,7 @@ def wrong_solution(rng: random.Random, expr: str, steps: list[str]) -> tuple[str
 
 def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000, num_rlvr: int = 4000,
                   num_eval: int = 200, max_operand: int = 9, min_operands: int = 2, max_operands: int = 4,
-                  teacher_carry_slip: float = 0.6, teacher_box_slip: float = 0.6,
+                  teacher_carry_slip: float = 0.75, teacher_box_slip: float = 0.75,
                   distinct_training_problems: bool = False) -> dict:
     """All splits as lists of rows. Evaluation problems are distinct and never appear in a training split. SFT
     traces come from the imperfect teacher (`teacher_solution`, both slips); preference, RLVR and eval answers
@@ -221,9 +224,9 @@ def tokenizer_corpus(seed: int) -> list[str]:
     """Text the byte-level BPE learns its merges from: task data plus chat and tool-use markup."""
     from chat_template import DEV_SYSTEM, FUNCTIONS_PREAMBLE, NO_FUNCTIONS, OLMO_IDENTITY
 
-    # Slip rates fixed here, not the data defaults: changing a default must not change the tokenizer.
+    # Every draw setting fixed here, not the data defaults: changing a default must not change the tokenizer.
     splits = generate_data(seed=seed, num_sft=2000, num_preference=0, num_rlvr=0, num_eval=0,
-                           teacher_carry_slip=0.6, teacher_box_slip=0.0)
+                           teacher_carry_slip=0.6, teacher_box_slip=0.0, distinct_training_problems=False)
     texts = [m["content"] for row in splits["sft"] for m in row["messages"]]
     texts += ["system", "user", "assistant", "environment", "You are a helpful AI assistant.",
               "The answer is", "Final Answer: The final answer is", "function", "arguments", "name"] * 50
@@ -492,9 +495,9 @@ def main():
     p_data.add_argument("--max_operand", type=int, default=9, help="operands are drawn from 0..max_operand")
     p_data.add_argument("--min_operands", type=int, default=2)
     p_data.add_argument("--max_operands", type=int, default=4, help="each extra operand is one more reasoning step")
-    p_data.add_argument("--teacher_carry_slip", type=float, default=0.6,
+    p_data.add_argument("--teacher_carry_slip", type=float, default=0.75,
                         help="probability that the SFT teacher forgets a carry (0: every SFT trace is correct)")
-    p_data.add_argument("--teacher_box_slip", type=float, default=0.6,
+    p_data.add_argument("--teacher_box_slip", type=float, default=0.75,
                         help="probability that the SFT teacher boxes the result of the step before the last "
                              "(traces of two or more steps)")
     p_data.add_argument("--distinct_training_problems", action="store_true",

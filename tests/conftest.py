@@ -37,11 +37,11 @@ def toy_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def toy_data_dir(tmp_path_factory):
-    """The toy data without the teacher's box slip (the demo keeps it, default 0.6): the tests that train
-    on it need an SFT model whose greedy answers are right often enough to see a change either way. Distinct
-    training problems, as the numbers below were measured with (the demo's data lets them repeat)."""
+    """The toy data without the teacher's box slip (the demo keeps it, default 0.75) and with a carry slip of 0.6
+    (default 0.75): the tests that train on it need an SFT model whose greedy answers are right often enough to
+    see a change either way. Distinct training problems (the demo's data lets them repeat)."""
     out = str(tmp_path_factory.mktemp("toy_data"))
-    toy.write_data(out, seed=0, teacher_box_slip=0.0, distinct_training_problems=True)
+    toy.write_data(out, seed=0, teacher_carry_slip=0.6, teacher_box_slip=0.0, distinct_training_problems=True)
     return out
 
 
@@ -61,7 +61,8 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
     return out
 
 
-# demo.sh's SFT stage: three epochs are where the toy model learns the task (two left it at 9.5%).
+# demo.sh's SFT stage as it was before the demo's data changed (the demo now trains at lr 1e-3): three epochs
+# are where the toy model learns the task (two left it at 9.5%).
 SFT_FIXTURE_ARGS = ["--num_train_epochs", "3", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32",
                     "--gradient_accumulation_steps", "1", "--warmup_ratio", "0.05", "--max_seq_length", "256",
                     "--save_steps", "0", "--seed", "0", "--report_to", "none"]
