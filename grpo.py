@@ -26,6 +26,13 @@ vLLM's in-place `reload_weights` as the buckets arrive. With `--vllm_tensor_para
 spans k GPUs and each of its k workers receives the stream. Every wait between roles has a timeout
 (`--timeout_s`).
 
+Reading order: Args; the cost model (MFU / MBU); the algorithm (advantages, the zero-std filter,
+active sampling, the admission gate, the loss, packing); the chunked LM head and the memory plan; the
+weight stream; the actor; learner 0's link to the actors and its prompt dispatcher; the learner
+(`Policy`: the model and its optimizer; `Rollouts`: the rollout stream and all the state the learner
+keeps between steps; `plan_step` / `train_on`: one step; `learner()`: the loop); `main`; plumbing
+(logging, the summary, checkpoints).
+
 Departures from the paper / open-instruct's grpo_fast.py, on purpose:
 - The off-policy bound `async_steps` K applies at admission, as PipelineRL and open-instruct run it:
   an actor starts a prompt only once its weights are at most K versions older than the step that
@@ -1639,9 +1646,11 @@ class Link:
     (groups, errors), `send_weights(header, tensors)`. Colocated: queues. torchrun: gloo groups. The
     weights themselves go through the weight stream (`connect_weights`), into the engines' workers."""
 
-    def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None):
+    def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None,
+                 results: queue.Queue | None = None):
         self.args, self.actor_ranks, self.groups, self.local = args, actor_ranks, groups, local_actor
-        self.results = queue.Queue()
+        # colocated: the queue the actor thread already emits into
+        self.results = results if results is not None else queue.Queue()
         self.heard = {r: time.time() for r in actor_ranks}  # when each actor rank last sent anything
         self.closing = threading.Event()
         self.lock = threading.Lock()
@@ -1823,90 +1832,8 @@ class Dispatcher(threading.Thread):
 
 
 # -------------------------------------------------------------------------------------------------
-# main
+# The learner: its model, the rollout stream it trains on, one step, the loop
 # -------------------------------------------------------------------------------------------------
-def main():
-    import chat_template
-
-    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
-    if args.lr_scheduler_type not in ("constant", "linear"):
-        raise SystemExit(f"--lr_scheduler_type {args.lr_scheduler_type}: grpo.py has constant and linear")
-    if args.response_length_sampler == "exponential" and args.response_length_mean <= 0:
-        raise ValueError("--response_length_sampler exponential needs --response_length_mean > 0")
-    check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
-
-    # ---------------------------------------------------------------------------------------------
-    # Distributed setup (same block as sft.py / dpo.py) plus the role split
-    # ---------------------------------------------------------------------------------------------
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available()
-    device = f"cuda:{local_rank}" if use_cuda else "cpu"
-    timeout = datetime.timedelta(seconds=args.timeout_s)
-    num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
-    is_learner, is_main = rank < num_learners, rank == 0
-    gpus = None
-    if use_cuda and world_size > 1 and not is_learner:  # this actor rank's engine: its own tensor-parallel GPUs
-        first, gpus = engine_gpus(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_learners,
-                                  args.vllm_tensor_parallel_size, torch.cuda.device_count())
-        device = f"cuda:{first}"
-    cores = None
-    if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
-        cores = pin_cpu_cores(local_rank, is_actor=not is_learner)
-        print(f"[rank {rank}] pinned to CPU cores {cores}" if cores
-              else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, "
-                   "or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
-    if world_size > 1:
-        if use_cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    actor_ranks = list(range(num_learners, world_size))
-    torch.manual_seed(args.seed + rank)
-    random.seed(args.seed + rank)
-    groups = {}
-    if world_size > 1:  # one gloo group per kind of traffic, so that two threads never share one
-        link_ranks = [0] + actor_ranks
-        # gloo caps every op at the group's timeout; each wait passes its own (shorter) one
-        link_timeout = datetime.timedelta(seconds=max(args.timeout_s, args.startup_timeout_s))
-        for name in ("prompts", "data", "weights"):
-            groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
-        groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
-    latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
-    model_path = latest or args.model_name_or_path
-
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, on_sigterm)
-    if world_size > 1 and sys.platform == "linux":  # torchrun's agent killed -9: take this rank down too
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-    if not is_learner:
-        try:
-            run_actor_rank(args, rank, 0, groups, device, model_path, cores, gpus)
-        except KeyboardInterrupt:
-            os._exit(130)
-        except Exception:
-            traceback.print_exc()
-            os._exit(1)
-        os._exit(0)
-
-    status = 1
-    try:
-        status = learner(args, rank, world_size, num_learners, is_main, device, groups, actor_ranks, latest, model_path)
-    except KeyboardInterrupt as e:
-        print(f"[rank {rank}] interrupted ({e}); exiting. The last checkpoint (if any) is intact.", file=sys.stderr,
-              flush=True)
-        status = 130
-    except Exception as e:
-        traceback.print_exc()
-        print(f"[rank {rank}] FATAL: {e}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
-
-
 def check_rlvr_rows(dataset, flag: str, limit: int = 20, allow_unsandboxed_code: bool = False) -> None:
     """Stop before any training on rows that can never earn a reward, naming each by file and line: no
     ground truth, malformed messages, an unknown verifier name, labels that do not fit the verifiers; and
@@ -1945,18 +1872,51 @@ def check_rlvr_rows(dataset, flag: str, limit: int = 20, allow_unsandboxed_code:
             f"{listed(code_rows)}")
 
 
-def learner(args, rank, world_size, num_learners, is_main, device, groups, actor_ranks, latest, model_path) -> int:
+@dataclass
+class Layout:
+    """Where this process sits in the run: its rank among the learners (ranks 0..num_learners-1) and
+    the actors (the rest), its device, and the process groups (prompts, data, weights: learner 0 and
+    the actors; learners: the learners)."""
+    rank: int
+    world_size: int
+    num_learners: int
+    device: str
+    groups: dict
+    actor_ranks: list
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_actors(self) -> int:  # a colocated run has one, in a thread
+        return max(1, len(self.actor_ranks))
+
+
+@dataclass
+class Policy:
+    """The model being trained and everything that steps it, on each learner rank."""
+    tokenizer: object
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None  # the frozen KL reference (--beta > 0)
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    autocast: object  # bf16 matmuls for one unsharded learner (FSDP2 casts its own parameters)
+    bf16: bool
+    pack_length: int  # tokens per packed row
+    forward_tokens: int  # tokens per forward pass
+
+    @property
+    def wire_dtype(self) -> torch.dtype:  # the weights go to the engines in the training dtype
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
+    """The model (FSDP2-sharded over several learners), the reference, AdamW and the lr schedule, after
+    the memory plan says they fit (else a clear error naming the knobs)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    import datasets
-
-    import chat_template
-
-    datasets.disable_progress_bars()
-
-    # ---------------------------------------------------------------------------------------------
-    # Model, optimizer, data
-    # ---------------------------------------------------------------------------------------------
+    device, num_learners = layout.device, layout.num_learners
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pack_length = args.pack_length or args.max_prompt_length + args.max_response_length
     bf16 = args.bf16 if args.bf16 is not None else device.startswith("cuda")
@@ -1973,7 +1933,7 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
                              device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                              "--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, "
                              "--bf16, a smaller --logprob_chunk_size")
-    if is_main:
+    if layout.is_main:
         print(f"[grpo] {line}", flush=True)
     attn = "flash_attention_2" if flash else "sdpa"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn).to(device)
@@ -1997,370 +1957,303 @@ def learner(args, rank, world_size, num_learners, is_main, device, groups, actor
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-    # One learner: fp32 weights, bf16 matmuls through autocast. FSDP2 casts its own parameters.
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=bf16 and num_learners == 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    total = args.num_training_steps
+    updates = args.num_training_steps * args.num_mini_batches * args.num_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (1.0 if args.lr_scheduler_type == "constant"
-                              else max(0.0, 1.0 - s / max(1, total * args.num_mini_batches * args.num_epochs))))
-    start_step, position = 0, 0
-    if latest:
-        state = torch.load(os.path.join(latest, "training_state.pt"), weights_only=False)
-        load_optimizer(model, optimizer, state["optimizer"], num_learners)
-        scheduler.load_state_dict(state["scheduler"])
-        start_step, position = state["step"], state["sampler_position"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        optimizer, lambda s: 1.0 if args.lr_scheduler_type == "constant" else max(0.0, 1.0 - s / max(1, updates)))
+    return Policy(tokenizer, model, ref_model, optimizer, scheduler, autocast, bf16, pack_length, forward_tokens)
 
-    train_ds = eval_ds = probe_ids = None
-    if is_main:
-        raw = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
-        check_rlvr_rows(raw, "--dataset_mixer_list", allow_unsandboxed_code=args.allow_unsandboxed_code)
-        train_ds, drops = chat_template.tokenize_rlvr(raw, tokenizer, args.max_prompt_length, args.chat_template)
-        if args.eval_dataset_mixer_list:
-            raw_eval = chat_template.load_mixture(args.eval_dataset_mixer_list,
-                                                  split=args.eval_dataset_mixer_list_splits, seed=args.seed)
-            check_rlvr_rows(raw_eval, "--eval_dataset_mixer_list",
-                            allow_unsandboxed_code=args.allow_unsandboxed_code)
-            eval_ds, _ = chat_template.tokenize_rlvr(raw_eval, tokenizer, args.max_prompt_length, args.chat_template)
-        if len(train_ds) == 0:
-            raise ValueError(f"no training prompts left after tokenization (dropped: {dict(drops)}); "
-                             "raise --max_prompt_length?")
-        probe_ids = (list(train_ds[0]["prompt_input_ids"])
-                     + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False))
-        os.makedirs(args.output_dir, exist_ok=True)
-        print(f"[grpo] {len(train_ds)} train prompts (dropped {dict(drops)}), "
-              f"{len(eval_ds) if eval_ds else 0} eval prompts; "
-              f"{num_learners} learner(s), {max(1, len(actor_ranks))} actor(s)"
-              f"{' (colocated thread)' if world_size == 1 else ''}; "
-              f"pack_length {pack_length}; start step {start_step}", flush=True)
 
-    # ---------------------------------------------------------------------------------------------
-    # Actors and the link (learner 0 only)
-    # ---------------------------------------------------------------------------------------------
-    local_actor = link = dispatcher = pool = logger = None
-    if is_main:
-        from verifiers import VerifierPool, caused_by_response, sandbox_description
+def restore_training_state(latest: str, policy: Policy, num_learners: int) -> tuple[int, int]:
+    """Optimizer, schedule and RNG states from a checkpoint (its weights were loaded with the model).
+    Returns the step to start from and the prompt sampler's position."""
+    state = torch.load(os.path.join(latest, "training_state.pt"), weights_only=False)
+    load_optimizer(policy.model, policy.optimizer, state["optimizer"], num_learners)
+    policy.scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    return state["step"], state["sampler_position"]
 
-        pool = VerifierPool(num_workers=args.verifier_workers, timeout=args.verifier_timeout,
-                            allow_unsandboxed_code=args.allow_unsandboxed_code)
-        print(f"[grpo] {sandbox_description()}", flush=True)
-        if world_size == 1:
-            results = queue.Queue()
-            local_actor = start_colocated_actor(args, model_path, results.put, device)
-            link = Link(args, [], None, local_actor)
-            link.results = results
 
-            def actor_thread():
-                try:
-                    local_actor.run()
-                    results.put({"done": 0, "stats": local_actor._take_stats()})
-                except Exception as e:
-                    link.error = link.error or f"the actor thread: {e}"
-                    results.put({"error": "".join(traceback.format_exception(e))})
-        else:
-            link = Link(args, actor_ranks, groups, None)
-        # The weight stream: learner 0 and every vLLM worker, gloo on CPU, NCCL between GPUs (gloo when the
-        # learner shares its GPU with the engine: NCCL takes one rank per GPU). Training dtype on the wire.
-        backend = "nccl" if device.startswith("cuda") and world_size > 1 else "gloo"
-        link.connect_weights(WeightSender(
-            wire_names(model, torch.bfloat16 if bf16 else torch.float32), max(1, len(actor_ranks)) *
-            args.vllm_tensor_parallel_size, backend, device if backend == "nccl" else "cpu",
-            max(args.timeout_s, args.startup_timeout_s), os.environ.get("MASTER_ADDR", "127.0.0.1")))
-        if local_actor is not None:
-            threading.Thread(target=actor_thread, daemon=True).start()
-        num_actors = max(1, len(actor_ranks))
-        logger = MetricsLogger(args, append=latest is not None)
-    version = start_step
+def load_prompts(args: Args, tokenizer) -> tuple:
+    """The training and evaluation prompts (learner 0), checked before any training (check_rlvr_rows)."""
+    import chat_template
 
-    def sync_weights(v: int, full: bool) -> dict:
-        """ALL learners call this (FSDP2 gathers are collective). Learner 0 streams the weights into every
-        engine's workers, parameter by parameter, in the training dtype, and sends the header (the version
-        and the learner's logprobs of the probe sequence) on the way (Link.send_weights; without `full`,
-        only the header: the initial check). Returns seconds: sync (all of it), and gather, transfer
-        (learner 0, full updates)."""
-        t = time.perf_counter()
-        wire = torch.bfloat16 if bf16 else torch.float32
-        probe = None
-        if is_main or num_learners > 1:
-            ids = probe_ids if is_main else None
-            if num_learners > 1:
-                ids = broadcast_list(ids, groups["learners"], args.timeout_s)
-            with torch.no_grad():
-                batch = collate_bin([{"prompt_ids": ids[:1], "response_ids": ids[1:], "advantage": 0.0,
-                                      "sampling_logprobs": [0.0] * (len(ids) - 1)}])
-                with autocast:
-                    lp, _ = token_logprobs(model, batch)
-            probe = lp[:-1].tolist()
-        times = {}
-        if is_main:
-            header = {"version": v, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
-            times = link.send_weights(header, full_tensors(model, wire) if full else (),
-                                      args.timeout_s if full else args.startup_timeout_s)
-        elif full:
-            for _ in full_tensors(model, wire):  # each gather is a collective of all learners
-                pass
-        return dict(times, sync=time.perf_counter() - t)
+    def load(mixer, splits, flag):
+        raw = chat_template.load_mixture(mixer, split=splits, seed=args.seed)
+        check_rlvr_rows(raw, flag, allow_unsandboxed_code=args.allow_unsandboxed_code)
+        return chat_template.tokenize_rlvr(raw, tokenizer, args.max_prompt_length, args.chat_template)
 
-    sync_weights(version, full=False)  # the engine loaded model_path from disk: probe it
-    if is_main:
-        dispatcher = Dispatcher(args, train_ds, link, num_actors, position, version)
-        dispatcher.start()
+    train_ds, drops = load(args.dataset_mixer_list, args.dataset_mixer_list_splits, "--dataset_mixer_list")
+    if len(train_ds) == 0:
+        raise ValueError(f"no training prompts left after tokenization (dropped: {dict(drops)}); "
+                         "raise --max_prompt_length?")
+    eval_ds = None
+    if args.eval_dataset_mixer_list:
+        eval_ds, _ = load(args.eval_dataset_mixer_list, args.eval_dataset_mixer_list_splits,
+                          "--eval_dataset_mixer_list")
+    return train_ds, eval_ds, drops
 
-    def pull(timeout_s: float, kind="train") -> list[dict]:
-        """Next finished groups of `kind` from the actors (blocks up to timeout_s); groups of the other
-        kind wait in `stash`; an actor's error becomes an exception here."""
-        out, deadline = [g for g in stash if g["kind"] == kind], time.time() + timeout_s
-        stash[:] = [g for g in stash if g["kind"] != kind]
+
+def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) -> tuple[Link, Actor | None]:
+    """Learner 0's link to the actors, and the weight stream into every engine's workers (gloo on CPU,
+    NCCL between GPUs; gloo when the learner shares its GPU with the engine: NCCL takes one rank per
+    GPU). A colocated run (one process) starts its engine here, run by a thread."""
+    local_actor = None
+    if layout.world_size == 1:
+        results = queue.Queue()
+        local_actor = start_colocated_actor(args, model_path, results.put, layout.device)
+        link = Link(args, [], None, local_actor, results)
+    else:
+        link = Link(args, layout.actor_ranks, layout.groups, None)
+    backend = "nccl" if layout.device.startswith("cuda") and layout.world_size > 1 else "gloo"
+    link.connect_weights(WeightSender(
+        wire_names(policy.model, policy.wire_dtype), layout.num_actors * args.vllm_tensor_parallel_size, backend,
+        layout.device if backend == "nccl" else "cpu", max(args.timeout_s, args.startup_timeout_s),
+        os.environ.get("MASTER_ADDR", "127.0.0.1")))
+    if local_actor is not None:
+        def actor_thread():
+            try:
+                local_actor.run()
+                link.results.put({"done": 0, "stats": local_actor._take_stats()})
+            except Exception as e:
+                link.error = link.error or f"the actor thread: {e}"
+                link.results.put({"error": "".join(traceback.format_exception(e))})
+
+        threading.Thread(target=actor_thread, daemon=True).start()
+    return link, local_actor
+
+
+def probe_ids_for(train_ds, tokenizer) -> list[int]:
+    """The sequence whose logprobs learner and engines compare after every update: a training prompt and
+    a fixed answer."""
+    return (list(train_ds[0]["prompt_input_ids"])
+            + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False))
+
+
+def sync_weights(args: Args, policy: Policy, layout: Layout, link: Link | None, probe_ids, version: int,
+                 full: bool) -> dict:
+    """ALL learners call this (FSDP2 gathers are collective). Learner 0 streams the weights into every
+    engine's workers, parameter by parameter, in the training dtype, and sends the header (the version
+    and the learner's logprobs of the probe sequence) on the way (Link.send_weights; without `full`,
+    only the header: the initial check). Returns seconds: sync (all of it), and gather, transfer
+    (learner 0, full updates)."""
+    t = time.perf_counter()
+    groups, num_learners = layout.groups, layout.num_learners
+    probe = None
+    if layout.is_main or num_learners > 1:
+        ids = broadcast_list(probe_ids, groups["learners"], args.timeout_s) if num_learners > 1 else probe_ids
+        with torch.no_grad():
+            batch = collate_bin([{"prompt_ids": ids[:1], "response_ids": ids[1:], "advantage": 0.0,
+                                  "sampling_logprobs": [0.0] * (len(ids) - 1)}])
+            with policy.autocast:
+                lp, _ = token_logprobs(policy.model, batch)
+        probe = lp[:-1].tolist()
+    times = {}
+    if layout.is_main:
+        header = {"version": version, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
+        times = link.send_weights(header, full_tensors(policy.model, policy.wire_dtype) if full else (),
+                                  args.timeout_s if full else args.startup_timeout_s)
+    elif full:
+        for _ in full_tensors(policy.model, policy.wire_dtype):  # each gather is a collective of all learners
+            pass
+    return dict(times, sync=time.perf_counter() - t)
+
+
+def score_groups(groups: list[dict], counts: Counter, tokenizer, pool) -> None:
+    """verifiers.py rewards, set on each sample and as the group's `rewards`. An error the response
+    caused (no answer, a check that timed out on it, a verifier that raised on it) scores 0; an
+    infrastructure error (a lost pool worker, the judge unreachable) drops the sample. Both are counted
+    (verifier_error/<reason>, infra_failures)."""
+    from verifiers import caused_by_response
+
+    rows = [(g["verifier"], tokenizer.decode(s["response_ids"], skip_special_tokens=True), g["ground_truth"])
+            for g in groups for s in g["samples"]]
+    results = iter(pool.score(rows))
+    for g in groups:
+        kept = []
+        for s in g["samples"]:
+            r = next(results)
+            counts[f"verifier_error/{r.error}"] += r.error is not None
+            counts["samples_verified"] += 1
+            if r.error is not None and not caused_by_response(r.error):
+                counts["infra_failures"] += 1
+                continue
+            s["reward"] = float(r.score) if r.error is None else 0.0
+            kept.append(s)
+        g["samples"], g["rewards"] = kept, [s["reward"] for s in kept]
+
+
+class Rollouts:
+    """Learner 0's side of the rollout stream, and all the state the learner keeps between steps:
+    groups of one kind that arrived while it waited for the other (`stash`), groups active sampling
+    pulled beyond a step's batch (`surplus`: the next step takes them first), the actors' stats deltas
+    not yet logged (`pending_stats`), and how many steps in a row mostly dropped samples
+    (`infra_streak`). `score(groups, counts)` sets each group's rewards (score_groups)."""
+
+    def __init__(self, args: Args, link: Link, dispatcher: Dispatcher, score):
+        self.args, self.link, self.dispatcher, self.score = args, link, dispatcher, score
+        self.stash, self.surplus, self.pending_stats, self.infra_streak = [], [], [], 0
+
+    def pull(self, timeout_s: float, kind: str = "train") -> list[dict]:
+        """The next finished groups of `kind` (blocks up to timeout_s); groups of the other kind wait in
+        `stash`; an actor's error becomes an exception here."""
+        out, deadline = [g for g in self.stash if g["kind"] == kind], time.time() + timeout_s
+        self.stash = [g for g in self.stash if g["kind"] != kind]
         while not out:
             try:
-                msg = link.results.get(timeout=max(0.0, min(1.0, deadline - time.time())))
+                msg = self.link.results.get(timeout=max(0.0, min(1.0, deadline - time.time())))
             except queue.Empty:
-                if dispatcher.error:
-                    raise RuntimeError(f"prompt dispatcher failed: {dispatcher.error}")
+                if self.dispatcher.error:
+                    raise RuntimeError(f"prompt dispatcher failed: {self.dispatcher.error}")
                 if time.time() > deadline:
                     raise TimeoutError(f"no finished group from any actor in {timeout_s:.0f}s (--timeout_s): "
-                                       f"{link.silent_actors()}")
+                                       f"{self.link.silent_actors()}")
                 continue
-            while True:
+            while msg is not None:  # everything already waiting, then return
                 if "error" in msg:
                     raise RuntimeError(f"actor failed: {msg['error']}")
                 if "group" in msg:
-                    pending_stats.append(msg["stats"])
-                    if msg["group"]["kind"] == kind:
-                        out.append(msg["group"])
-                    else:
-                        stash.append(msg["group"])
+                    self.pending_stats.append(msg["stats"])
+                    (out if msg["group"]["kind"] == kind else self.stash).append(msg["group"])
                 try:
-                    msg = link.results.get_nowait()
+                    msg = self.link.results.get_nowait()
                 except queue.Empty:
-                    break
+                    msg = None
         return out
 
-    def score(gs: list[dict], counts: Counter):
-        """verifiers.py rewards. An error the response caused (no answer, a check that timed out on it, a
-        verifier that raised on it) scores 0; an infrastructure error (a lost pool worker, the judge
-        unreachable) drops the sample. Both are counted (verifier_error/<reason>, infra_failures)."""
-        rows = [(g["verifier"], tokenizer.decode(s["response_ids"], skip_special_tokens=True), g["ground_truth"])
-                for g in gs for s in g["samples"]]
-        results = iter(pool.score(rows))
-        for g in gs:
-            kept = []
-            for s in g["samples"]:
-                r = next(results)
-                counts[f"verifier_error/{r.error}"] += r.error is not None
-                counts["samples_verified"] += 1
-                if r.error is not None and not caused_by_response(r.error):
-                    counts["infra_failures"] += 1
-                    continue
-                s["reward"] = float(r.score) if r.error is None else 0.0
-                kept.append(s)
-            g["samples"], g["rewards"] = kept, [s["reward"] for s in kept]
+    def next_batch(self, version: int) -> tuple[list[dict], Counter, list[float]]:
+        """One step's groups (Olmo 3 sec 4.4: active sampling until num_unique_prompts_per_step groups
+        with gradient), after the off-policy filter and scoring. Returns them, the step's counts, and the
+        rewards of every group the step consumed, kept or filtered (the policy's solve rate)."""
+        args, counts, pulled, useful = self.args, Counter(), [], 0
 
-    def evaluate() -> dict:
-        """pass@1 (mean over k samples) and pass@k on the held-out prompts, at the engine's current weights."""
-        t = time.perf_counter()
-        prompts = [dispatcher.prompt(i, "eval", eval_ds[i], args.eval_num_samples) for i in range(len(eval_ds))]
+        def pull_scored():
+            nonlocal useful
+            gs, self.surplus = (self.surplus, []) if self.surplus else (self.pull(args.timeout_s), [])
+            n_pulled = len(gs)
+            gs, dropped, _, _ = offpolicy_filter(gs, version, args.max_token_lag)
+            counts.update(dropped)
+            self.score([g for g in gs if "rewards" not in g], counts)
+            pulled.extend(gs)
+            # Departure (the admission gate, see admission_version): the dispatcher counts as consumed only
+            # what active sampling takes this step, in order, until it has its groups. The surplus stays in
+            # flight until a later step takes it, so the prefetch window and the gate bound the groups that
+            # wait here too (else, when an engine delivers in bursts, the surplus and the lag grow).
+            taken = n_pulled - len(gs)  # dropped as stale: consumed
+            for g in gs:
+                if useful >= args.num_unique_prompts_per_step:
+                    break
+                taken += 1
+                useful += filter_reason(g["rewards"]) is None
+            self.dispatcher.consumed(taken, args.num_unique_prompts_per_step - useful)
+            return gs
+
+        batch, extra, selection = active_sampling(pull_scored, args.num_unique_prompts_per_step,
+                                                  args.max_prompts_per_step_factor * args.num_unique_prompts_per_step)
+        self.surplus.extend(extra)
+        counts.update(selection)
+        # surplus groups count in the step that consumes them: a step fed from the last one's alone is not empty
+        surplus = {id(g) for g in extra}
+        scored = [r for g in pulled if id(g) not in surplus for r in g["rewards"]]
+        return batch, counts, scored
+
+    def take_stats(self) -> list[dict]:
+        """The actors' stats deltas that arrived since the last call."""
+        stats, self.pending_stats = self.pending_stats, []
+        return stats
+
+    def check_infra(self, counts: Counter) -> None:
+        """Infrastructure failures drop samples instead of scoring them: a run that mostly drops must stop."""
+        args = self.args
+        failing = counts["infra_failures"] > args.max_infra_failure_rate * max(1, counts["samples_verified"])
+        self.infra_streak = self.infra_streak + 1 if failing else 0
+        if self.infra_streak >= 3:
+            raise RuntimeError(
+                f"verifier infrastructure failures in 3 steps in a row (last: {counts['infra_failures']} of "
+                f"{counts['samples_verified']} samples; --max_infra_failure_rate {args.max_infra_failure_rate}): "
+                + ", ".join(f"{k[15:]} {v}" for k, v in counts.items() if k.startswith("verifier_error/") and v))
+
+    def evaluate(self, eval_ds, num_actors: int) -> dict:
+        """pass@1 (mean over k samples) and pass@k on the held-out prompts, at the engines' current weights."""
+        args, t = self.args, time.perf_counter()
+        prompts = [self.dispatcher.prompt(i, "eval", eval_ds[i], args.eval_num_samples) for i in range(len(eval_ds))]
         for a in range(num_actors):
-            link.send_prompts(a, prompts[a::num_actors])
+            self.link.send_prompts(a, prompts[a::num_actors])
         got, counts = [], Counter()
         while len(got) < len(prompts):
-            got += pull(args.timeout_s, kind="eval")
-        score(got, counts)  # responses that failed their check score 0; infrastructure failures are dropped
+            got += self.pull(args.timeout_s, kind="eval")
+        self.score(got, counts)  # responses that failed their check score 0; infrastructure failures are dropped
         scores = [g["rewards"] for g in got if g["rewards"]]
         lens = [len(s["response_ids"]) for g in got for s in g["samples"]]
+        k = args.eval_num_samples
         return {"eval/pass@1": float(np.mean([np.mean(r) for r in scores])) if scores else 0.0,
-                f"eval/pass@{args.eval_num_samples}": float(np.mean([max(r) > 0.5 for r in scores])) if scores else 0.0,
+                f"eval/pass@{k}": float(np.mean([max(r) > 0.5 for r in scores])) if scores else 0.0,
                 "eval/response_length": float(np.mean(lens)) if lens else 0.0, "eval/prompts": len(scores),
                 "eval/verifier_errors": sum(v for k, v in counts.items() if k.startswith("verifier_error/")),
                 "eval/samples_dropped_infra": counts["infra_failures"], "time/eval": time.perf_counter() - t}
 
-    # ---------------------------------------------------------------------------------------------
-    # Training loop
-    # ---------------------------------------------------------------------------------------------
-    stash, leftover, pending_stats, infra_streak = [], [], [], 0
-    run_t0, totals = time.perf_counter(), Counter()
-    eval_history = []
-    for step in range(start_step, args.num_training_steps):
-        metrics, t_step = {}, time.perf_counter()
-        # ---- evaluate / save
-        if is_main and eval_ds is not None and args.eval_every and step % args.eval_every == 0:
-            ev = evaluate()  # of the policy after `step` updates: logged under that step
-            eval_history.append((step, ev["eval/pass@1"]))
-            logger.log(step, ev, kind="eval")
-            t_step = time.perf_counter()  # step time excludes evaluation
-        # ---- rollout: active sampling (learner 0), then split the packed batch across learners
-        if is_main:
-            t = time.perf_counter()
-            counts = Counter()
-            pulled = []  # every group active sampling saw this step (after the off-policy filter)
 
-            useful = [0]  # groups with gradient seen this step: the dispatcher releases what is still missing
+def plan_step(batch: list[dict], args: Args, policy: Policy, num_learners: int) -> list[tuple]:
+    """The step's samples with their advantages (Olmo 3 sec 4.4), split into minibatches, each packed
+    into rows and the rows shared out to the learners' forward passes: [(shares, minibatch tokens)]."""
+    advantages = compute_advantages([g["rewards"] for g in batch], args.advantage_normalization)
+    rows = [{"prompt_ids": g["prompt_ids"], "response_ids": s["response_ids"],
+             "sampling_logprobs": s["sampling_logprobs"], "advantage": a}
+            for g, adv in zip(batch, advantages) for s, a in zip(g["samples"], adv) if s["response_ids"]]
+    minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
+    return [(learner_forwards(pack_rows(mb, policy.pack_length), num_learners, policy.forward_tokens),
+             sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
 
-            def pull_scored():
-                if leftover:  # pulled and scored last step, beyond that step's batch
-                    gs = leftover[:]
-                    leftover.clear()
-                else:
-                    gs = pull(args.timeout_s)
-                n_pulled = len(gs)
-                gs, c, _, _ = offpolicy_filter(gs, version, args.max_token_lag)
-                counts.update(c)
-                score([g for g in gs if "rewards" not in g], counts)
-                pulled.extend(gs)
-                # The dispatcher counts as consumed only what active sampling takes this step (in order, until
-                # it has its groups): the surplus stays in flight until a later step takes it, so the prefetch
-                # window and the admission gate also bound the groups that wait here (else, when an engine
-                # delivers in bursts, e.g. drained updates, the surplus grows and so does the lag).
-                taken = n_pulled - len(gs)  # dropped as stale: consumed
-                for g in gs:
-                    if useful[0] >= args.num_unique_prompts_per_step:
-                        break
-                    taken += 1
-                    useful[0] += filter_reason(g["rewards"]) is None
-                dispatcher.consumed(taken, args.num_unique_prompts_per_step - useful[0])
-                return gs
 
-            batch, extra, sel = active_sampling(pull_scored, args.num_unique_prompts_per_step,
-                                                args.max_prompts_per_step_factor * args.num_unique_prompts_per_step)
-            leftover.extend(extra)
-            counts.update(sel)
-            _, _, lags, first_lags = offpolicy_filter(batch, version)  # the lag of what this step trains on
-            # The rewards of every prompt this step consumed, kept or filtered (surplus groups count
-            # in the step that consumes them; a step fed from last step's surplus alone is not empty).
-            surplus = {id(g) for g in extra}
-            scored = [r for g in pulled if id(g) not in surplus for r in g["rewards"]]
-            metrics["time/data_wait"] = time.perf_counter() - t
-            rewards = [g["rewards"] for g in batch]
-            advantages = compute_advantages(rewards, args.advantage_normalization)
-            rows = [{"prompt_ids": g["prompt_ids"], "response_ids": s["response_ids"],
-                     "sampling_logprobs": s["sampling_logprobs"],
-                     "advantage": a} for g, adv in zip(batch, advantages) for s, a in zip(g["samples"], adv)]
-            rows = [r for r in rows if r["response_ids"]]
-            minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
-            plan = [(learner_forwards(pack_rows(mb, pack_length), num_learners, forward_tokens),
-                     sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
-            metrics.update(rollout_metrics(batch, counts, lags, first_lags, scored, pending_stats, args))
-            pending_stats.clear()
-            # Infrastructure failures drop samples instead of scoring them: a run that mostly drops must stop.
-            failing = counts["infra_failures"] > args.max_infra_failure_rate * max(1, counts["samples_verified"])
-            infra_streak = infra_streak + 1 if failing else 0
-            if infra_streak >= 3:
-                raise RuntimeError(
-                    f"verifier infrastructure failures in 3 steps in a row (last: {counts['infra_failures']} of "
-                    f"{counts['samples_verified']} samples; --max_infra_failure_rate {args.max_infra_failure_rate}): "
-                    + ", ".join(f"{k[15:]} {v}" for k, v in counts.items() if k.startswith("verifier_error/") and v))
-        else:
-            plan = None
-        if num_learners > 1:
-            plan = broadcast_list(plan, groups["learners"], args.timeout_s)
-        # ---- loss, backward, clip, step: old logprobs first when the batch is reused
-        t = time.perf_counter()
-        model.train()
-        mbs = [([collate_forward(bins, tokenizer.pad_token_id or 0) for bins in shares[rank]], ntok)
-               for shares, ntok in plan]
-        if args.num_mini_batches > 1 or args.num_epochs > 1:
-            with torch.no_grad(), autocast:
-                for bins, _ in mbs:
-                    for b in bins:
-                        b["old_logprobs"] = token_logprobs(model, b, args.temperature)[0]
-        if ref_model is not None:
-            with torch.no_grad(), autocast:
-                for bins, _ in mbs:
-                    for b in bins:
-                        b["ref_logprobs"] = token_logprobs(ref_model, b, args.temperature)[0]
-        agg, grad_norms, learner_tokens = Counter(), [], 0
-        for epoch in range(args.num_epochs):
-            for bins, ntok in mbs:
-                for b in bins:
-                    with autocast:
-                        new_lp, entropy = token_logprobs(model, b, args.temperature, with_entropy=True)
-                    old_lp = b.get("old_logprobs", new_lp.detach())
-                    dev = new_lp.device
-                    loss, stats = grpo_loss(new_lp, old_lp, b["sampling_logprobs"].to(dev), b["advantages"].to(dev),
-                                            b["mask"].to(dev), args.clip_low, args.clip_high, args.tis_cap,
-                                            b["ref_logprobs"].to(dev) if ref_model is not None else None, args.beta,
-                                            num_tokens_global=max(ntok, 1))
-                    # FSDP2 averages gradients over learners; the loss is already a global token mean
-                    (loss * num_learners).backward()
-                    agg.update(stats)
-                    agg["entropy_sum"] += (entropy * b["mask"].to(dev)).sum().item()
-                    agg["loss"] += loss.item()
-                    learner_tokens += b["real_tokens"]
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-        train_time = time.perf_counter() - t
-        version += 1
-        # ---- weight sync (inflight on the actors) + probe
-        sync = sync_weights(version, full=True)
-        sync_time = sync["sync"]
-        if is_main:
-            dispatcher.begin_step(version)
-        if num_learners > 1:  # each learner trained its own bins: the step's numbers are sums over learners
-            parts = broadcast_list([dict(agg, learner_tokens=learner_tokens)], groups["learners"], args.timeout_s,
-                                   gather=True)
-            agg = Counter()
-            for part in parts:
-                agg.update(part)  # update() adds and keeps negative sums (pg_loss), unlike Counter's +
-            learner_tokens = agg.pop("learner_tokens")
-        step_time = time.perf_counter() - t_step  # excludes evaluation and checkpointing (time/save)
-        # ---- save
-        save_time = 0.0
-        if args.save_steps and (step + 1) % args.save_steps == 0 or step + 1 == args.num_training_steps:
-            t = time.perf_counter()
-            save_checkpoint(args, model, tokenizer, optimizer, scheduler, step + 1,
-                            dispatcher.position if is_main else 0, is_main, num_learners, groups, protect=latest)
-            save_time = time.perf_counter() - t
-        # ---- log
-        if is_main:
-            n = max(agg["tokens"], 1)
-            metrics.update({
-                "train/loss": agg["loss"] / max(1, args.num_epochs), "train/pg_loss": agg["pg_loss_sum"] / n,
-                "train/clip_fraction": agg["clipfrac_sum"] / n, "train/approx_kl": agg["approx_kl_sum"] / n,
-                "train/ref_kl": agg["ref_kl_sum"] / n, "train/entropy": agg["entropy_sum"] / n,
-                "train/tis_capped_fraction": agg["tis_capped_sum"] / n, "train/grad_norm": float(np.mean(grad_norms)),
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/trained_tokens": int(agg["tokens"]) // max(1, args.num_epochs),
-                "time/train": train_time, "time/weight_sync": sync_time, "time/step": step_time, "time/save": save_time,
-                **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
-                "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9),
-            })
-            totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
-                           "learner_tokens": learner_tokens,
-                           "train_time": train_time, "sync_time": sync_time, "save_time": save_time,
-                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
-            add_actor_totals(totals, metrics)
-            logger.log(step + 1, metrics)
-    # ---- the final model in output_dir, HF layout, as sft.py and dpo.py leave it: the next stage points here
-    t = time.perf_counter()
-    final_state = gather_full_state(model, num_learners)  # collective with several learners
-    if is_main:
-        save_final_model(args, model, tokenizer, final_state, bf16)
-        print(f"[grpo] saved the final model ({'bf16' if bf16 else 'fp32'}) to {args.output_dir} "
-              f"in {time.perf_counter() - t:.1f}s", flush=True)
-    del final_state
-    # ---- final evaluation, summary, shutdown
-    if is_main:
-        final = {}
-        if eval_ds is not None and args.eval_every:
-            final = evaluate()
-            eval_history.append((args.num_training_steps, final["eval/pass@1"]))
-            logger.log(args.num_training_steps, final, kind="eval")
-        dispatcher.stop.set()
-        dispatcher.join(timeout=10)
-        link.close()
-        add_final_loads(totals, pending_stats + link.final_stats(num_actors, timeout_s=30.0))
-        write_summary(args, totals, eval_history, run_t0, local_actor)
-        pool.close()
-        logger.close()
-        if local_actor is not None:
-            local_actor.shutdown()
-    return 0
+def train_on(policy: Policy, minibatches: list[tuple], args: Args, num_learners: int) -> tuple[Counter, list, int]:
+    """This learner's share of one step: for each epoch and minibatch, the loss over its forward passes,
+    backward, clip, an optimizer step. `minibatches`: [(collated forwards, minibatch tokens on all
+    learners)]. Returns the loss stats (sums), the grad norms and the real tokens trained here."""
+    model, autocast = policy.model, policy.autocast
+    model.train()
+    with torch.no_grad(), autocast:  # the logprobs a reused batch is clipped against, and the reference's
+        for forwards, _ in minibatches:
+            for b in forwards:
+                if args.num_mini_batches > 1 or args.num_epochs > 1:
+                    b["old_logprobs"] = token_logprobs(model, b, args.temperature)[0]
+                if policy.ref_model is not None:
+                    b["ref_logprobs"] = token_logprobs(policy.ref_model, b, args.temperature)[0]
+    agg, grad_norms, learner_tokens = Counter(), [], 0
+    for _ in range(args.num_epochs):
+        for forwards, num_tokens in minibatches:
+            for b in forwards:
+                with autocast:
+                    new_lp, entropy = token_logprobs(model, b, args.temperature, with_entropy=True)
+                dev = new_lp.device
+                loss, stats = grpo_loss(new_lp, b.get("old_logprobs", new_lp.detach()), b["sampling_logprobs"].to(dev),
+                                        b["advantages"].to(dev), b["mask"].to(dev), args.clip_low, args.clip_high,
+                                        args.tis_cap, b["ref_logprobs"].to(dev) if "ref_logprobs" in b else None,
+                                        args.beta, num_tokens_global=max(num_tokens, 1))
+                # FSDP2 averages gradients over learners; the loss is already a global token mean
+                (loss * num_learners).backward()
+                agg.update(stats)
+                agg["entropy_sum"] += (entropy * b["mask"].to(dev)).sum().item()
+                agg["loss"] += loss.item()
+                learner_tokens += b["real_tokens"]
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            grad_norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+            policy.optimizer.step()
+            policy.scheduler.step()
+            policy.optimizer.zero_grad(set_to_none=True)
+    return agg, grad_norms, learner_tokens
+
+
+def train_metrics(agg: Counter, grad_norms: list, lr: float, args: Args) -> dict:
+    """The train/ part of a step's metrics, from loss stats summed over all learners' tokens."""
+    n = max(agg["tokens"], 1)
+    return {"train/loss": agg["loss"] / max(1, args.num_epochs), "train/pg_loss": agg["pg_loss_sum"] / n,
+            "train/clip_fraction": agg["clipfrac_sum"] / n, "train/approx_kl": agg["approx_kl_sum"] / n,
+            "train/ref_kl": agg["ref_kl_sum"] / n, "train/entropy": agg["entropy_sum"] / n,
+            "train/tis_capped_fraction": agg["tis_capped_sum"] / n, "train/grad_norm": float(np.mean(grad_norms)),
+            "train/lr": lr, "train/trained_tokens": int(agg["tokens"]) // max(1, args.num_epochs)}
 
 
 def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -> dict:
@@ -2447,6 +2340,210 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
               "_static_waste_n": s["static_waste_n"], "_actor_weight_apply_s": s["weight_apply_s"],
               "_actor_weight_loads": s["weight_loads"]})
     return m
+
+
+def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> int:
+    import datasets
+
+    datasets.disable_progress_bars()
+    is_main, num_learners, groups = layout.is_main, layout.num_learners, layout.groups
+    policy = load_policy(args, model_path, layout)
+    start_step, position = restore_training_state(latest, policy, num_learners) if latest else (0, 0)
+    link = local_actor = dispatcher = rollouts = logger = pool = train_ds = eval_ds = probe_ids = None
+    if is_main:
+        from verifiers import VerifierPool, sandbox_description
+
+        train_ds, eval_ds, drops = load_prompts(args, policy.tokenizer)
+        probe_ids = probe_ids_for(train_ds, policy.tokenizer)
+        os.makedirs(args.output_dir, exist_ok=True)
+        print(f"[grpo] {len(train_ds)} train prompts (dropped {dict(drops)}), {len(eval_ds) if eval_ds else 0} "
+              f"eval prompts; {num_learners} learner(s), {layout.num_actors} actor(s)"
+              f"{' (colocated thread)' if layout.world_size == 1 else ''}; "
+              f"pack_length {policy.pack_length}; start step {start_step}", flush=True)
+        pool = VerifierPool(num_workers=args.verifier_workers, timeout=args.verifier_timeout,
+                            allow_unsandboxed_code=args.allow_unsandboxed_code)
+        print(f"[grpo] {sandbox_description()}", flush=True)
+        link, local_actor = connect_actors(args, policy, layout, model_path)
+        logger = MetricsLogger(args, append=latest is not None)
+    version = start_step
+    sync_weights(args, policy, layout, link, probe_ids, version, full=False)  # the engines loaded model_path
+    if is_main:
+        dispatcher = Dispatcher(args, train_ds, link, layout.num_actors, position, version)
+        dispatcher.start()
+        rollouts = Rollouts(args, link, dispatcher, lambda gs, counts: score_groups(gs, counts, policy.tokenizer, pool))
+
+    run_t0, totals, eval_history = time.perf_counter(), Counter(), []
+    for step in range(start_step, args.num_training_steps):
+        t_step = time.perf_counter()
+        if is_main and eval_ds is not None and args.eval_every and step % args.eval_every == 0:
+            ev = rollouts.evaluate(eval_ds, layout.num_actors)  # the policy after `step` updates
+            eval_history.append((step, ev["eval/pass@1"]))
+            logger.log(step, ev, kind="eval")
+            t_step = time.perf_counter()  # step time excludes evaluation
+        # ---- ALGO LOGIC: rollouts (learner 0): active sampling, rewards, advantages, the packed batch
+        metrics, plan = {}, None
+        if is_main:
+            t = time.perf_counter()
+            batch, counts, scored = rollouts.next_batch(version)
+            metrics["time/data_wait"] = time.perf_counter() - t
+            plan = plan_step(batch, args, policy, num_learners)
+            _, _, lags, first_lags = offpolicy_filter(batch, version)  # the lag of what this step trains on
+            metrics.update(rollout_metrics(batch, counts, lags, first_lags, scored, rollouts.take_stats(), args))
+            rollouts.check_infra(counts)
+        if num_learners > 1:
+            plan = broadcast_list(plan, groups["learners"], args.timeout_s)
+        # ---- ALGO LOGIC: loss, backward, clip, step on this learner's share
+        t = time.perf_counter()
+        pad_id = policy.tokenizer.pad_token_id or 0
+        minibatches = [([collate_forward(forward, pad_id) for forward in shares[layout.rank]], num_tokens)
+                       for shares, num_tokens in plan]
+        agg, grad_norms, learner_tokens = train_on(policy, minibatches, args, num_learners)
+        train_time = time.perf_counter() - t
+        version += 1
+        # ---- weights to the engines (inflight: they keep generating), then the prompt gate moves on
+        sync = sync_weights(args, policy, layout, link, probe_ids, version, full=True)
+        if is_main:
+            dispatcher.begin_step(version)
+        if num_learners > 1:  # each learner trained its own bins: the step's numbers are sums over learners
+            parts = broadcast_list([dict(agg, learner_tokens=learner_tokens)], groups["learners"], args.timeout_s,
+                                   gather=True)
+            agg = Counter()
+            for part in parts:
+                agg.update(part)  # update() adds and keeps negative sums (pg_loss), unlike Counter's +
+            learner_tokens = agg.pop("learner_tokens")
+        step_time = time.perf_counter() - t_step  # excludes evaluation and checkpointing (time/save)
+        t = time.perf_counter()
+        if args.save_steps and (step + 1) % args.save_steps == 0 or step + 1 == args.num_training_steps:
+            save_checkpoint(args, policy.model, policy.tokenizer, policy.optimizer, policy.scheduler, step + 1,
+                            dispatcher.position if is_main else 0, is_main, num_learners, groups, protect=latest)
+        save_time = time.perf_counter() - t
+        if is_main:
+            metrics.update(train_metrics(agg, grad_norms, policy.scheduler.get_last_lr()[0], args))
+            metrics.update({"time/train": train_time, "time/weight_sync": sync["sync"], "time/step": step_time,
+                            "time/save": save_time,
+                            **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
+                            "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9)})
+            totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
+                           "learner_tokens": learner_tokens, "train_time": train_time, "sync_time": sync["sync"],
+                           "save_time": save_time,
+                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
+            add_actor_totals(totals, metrics)
+            logger.log(step + 1, metrics)
+    finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
+               eval_history, run_t0)
+    return 0
+
+
+def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
+               eval_history, run_t0) -> None:
+    """The final model in output_dir (HF layout, as sft.py and dpo.py leave it: the next stage points
+    here), then on learner 0 the final evaluation, the summary, and shutdown."""
+    t = time.perf_counter()
+    final_state = gather_full_state(policy.model, layout.num_learners)  # collective with several learners
+    if not layout.is_main:
+        return
+    save_final_model(args, policy.model, policy.tokenizer, final_state, policy.bf16)
+    print(f"[grpo] saved the final model ({'bf16' if policy.bf16 else 'fp32'}) to {args.output_dir} "
+          f"in {time.perf_counter() - t:.1f}s", flush=True)
+    del final_state
+    if eval_ds is not None and args.eval_every:
+        final = rollouts.evaluate(eval_ds, layout.num_actors)
+        eval_history.append((args.num_training_steps, final["eval/pass@1"]))
+        logger.log(args.num_training_steps, final, kind="eval")
+    dispatcher.stop.set()
+    dispatcher.join(timeout=10)
+    link.close()
+    add_final_loads(totals, rollouts.take_stats() + link.final_stats(layout.num_actors, timeout_s=30.0))
+    write_summary(args, totals, eval_history, run_t0, local_actor)
+    pool.close()
+    logger.close()
+    if local_actor is not None:
+        local_actor.shutdown()
+
+
+# -------------------------------------------------------------------------------------------------
+# main
+# -------------------------------------------------------------------------------------------------
+def main():
+    import chat_template
+
+    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
+    if args.lr_scheduler_type not in ("constant", "linear"):
+        raise SystemExit(f"--lr_scheduler_type {args.lr_scheduler_type}: grpo.py has constant and linear")
+    if args.response_length_sampler == "exponential" and args.response_length_mean <= 0:
+        raise ValueError("--response_length_sampler exponential needs --response_length_mean > 0")
+    check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
+
+    # ---------------------------------------------------------------------------------------------
+    # Distributed setup (same block as sft.py / dpo.py) plus the role split
+    # ---------------------------------------------------------------------------------------------
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available()
+    device = f"cuda:{local_rank}" if use_cuda else "cpu"
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
+    is_learner = rank < num_learners
+    gpus = None
+    if use_cuda and world_size > 1 and not is_learner:  # this actor rank's engine: its own tensor-parallel GPUs
+        first, gpus = engine_gpus(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_learners,
+                                  args.vllm_tensor_parallel_size, torch.cuda.device_count())
+        device = f"cuda:{first}"
+    cores = None
+    if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
+        cores = pin_cpu_cores(local_rank, is_actor=not is_learner)
+        print(f"[rank {rank}] pinned to CPU cores {cores}" if cores
+              else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, "
+                   "or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
+    if world_size > 1:
+        if use_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    actor_ranks = list(range(num_learners, world_size))
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
+    groups = {}
+    if world_size > 1:  # one gloo group per kind of traffic, so that two threads never share one
+        link_ranks = [0] + actor_ranks
+        # gloo caps every op at the group's timeout; each wait passes its own (shorter) one
+        link_timeout = datetime.timedelta(seconds=max(args.timeout_s, args.startup_timeout_s))
+        for name in ("prompts", "data", "weights"):
+            groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
+        groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
+    latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
+    model_path = latest or args.model_name_or_path
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if world_size > 1 and sys.platform == "linux":  # torchrun's agent killed -9: take this rank down too
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    if not is_learner:
+        try:
+            run_actor_rank(args, rank, 0, groups, device, model_path, cores, gpus)
+        except KeyboardInterrupt:
+            os._exit(130)
+        except Exception:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+
+    status = 1
+    try:
+        status = learner(args, Layout(rank, world_size, num_learners, device, groups, actor_ranks), latest, model_path)
+    except KeyboardInterrupt as e:
+        print(f"[rank {rank}] interrupted ({e}); exiting. The last checkpoint (if any) is intact.", file=sys.stderr,
+              flush=True)
+        status = 130
+    except Exception as e:
+        traceback.print_exc()
+        print(f"[rank {rank}] FATAL: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
 
 
 # -------------------------------------------------------------------------------------------------

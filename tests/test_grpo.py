@@ -325,6 +325,98 @@ def test_dispatcher_gate_labels_and_release():
         d.stop.set()
         d.join(timeout=5)
 
+def _rollouts(**kw):
+    """A Rollouts on learner 0 as grpo.learner builds it, without engines: the real Link in its colocated form
+    (the test puts the actor's messages on its queue), a real Dispatcher (not started: the test reads what it
+    was told), and rewards the samples carry (`r`) in place of the verifiers."""
+    import queue
+    import types
+
+    args = grpo.Args(**{"num_unique_prompts_per_step": 2, "num_samples_per_prompt": 2, "async_steps": 1,
+                        "max_prompts_per_step_factor": 8, "timeout_s": 5.0, "eval_num_samples": 2, **kw})
+    link = grpo.Link(args, [], None, types.SimpleNamespace(inbox=queue.Queue()), queue.Queue())
+    data = [{"prompt_input_ids": [i], "ground_truth": str(i), "verifier": "math"} for i in range(50)]
+    dispatcher = grpo.Dispatcher(args, data, link, 1, start=0, version=0)
+
+    def score(groups, counts):
+        for g in groups:
+            g["rewards"] = [s["r"] for s in g["samples"]]
+            counts["samples_verified"] += len(g["samples"])
+    return grpo.Rollouts(args, link, dispatcher, score), link, dispatcher
+
+
+def _group(i, rewards, kind="train", versions=(0,)):
+    return {"group": {"id": i, "kind": kind, "prompt_ids": [i], "verifier": "math", "ground_truth": "1",
+                      "samples": [{"r": r, "response_ids": [1, 2], "versions": list(versions)} for r in rewards]},
+            "stats": {"actor": 0, "n": i}}
+
+
+def test_rollouts_keep_the_surplus_the_stash_and_the_stats_between_steps():
+    """What the learner keeps between steps, in Rollouts: the groups pulled beyond a step's batch are the
+    next step's first (scored once), an eval group that arrives during training waits for evaluate(), the
+    actors' stats are handed out once each, and the dispatcher is told only what each step consumed."""
+    rollouts, link, dispatcher = _rollouts()
+    # one delivery: a filtered group, two useful ones, an eval group, then two more (the surplus)
+    for m in (_group(0, [1, 1]), _group(1, [0, 1]), _group(2, [1, 0]), _group(9, [1, 0], kind="eval"),
+              _group(3, [0, 1]), _group(4, [0, 0])):
+        link.results.put(m)
+    batch, counts, scored = rollouts.next_batch(version=0)
+    assert [g["id"] for g in batch] == [1, 2]
+    assert [g["id"] for g in rollouts.surplus] == [3, 4] and [g["id"] for g in rollouts.stash] == [9]
+    assert counts["all_solved"] == 1 and counts["prompts"] == 3 and counts["samples_verified"] == 10
+    assert scored == [1, 1, 0, 1, 1, 0]  # every consumed group's rewards, not the surplus'
+    assert dispatcher.done == 3 and dispatcher.need == 0  # the surplus is still in flight for the gate
+    assert [st["n"] for st in rollouts.take_stats()] == [0, 1, 2, 9, 3, 4] and rollouts.take_stats() == []
+    assert [g["id"] for g in rollouts.pull(5.0, kind="eval")] == [9] and rollouts.stash == []  # from the stash
+
+
+def test_rollouts_a_step_takes_the_surplus_first_then_pulls():
+    """The second step trains on last step's surplus before anything new, and scores it only once."""
+    rollouts, link, dispatcher = _rollouts()
+    for m in (_group(1, [0, 1]), _group(2, [1, 0]), _group(3, [0, 1]), _group(4, [0, 0])):
+        link.results.put(m)
+    rollouts.next_batch(version=0)
+    assert [g["id"] for g in rollouts.surplus] == [3, 4]
+    verified = []
+    rollouts.score = (lambda score: lambda gs, c: (verified.extend(g["id"] for g in gs), score(gs, c)))(rollouts.score)
+    link.results.put(_group(5, [1, 0]))
+    batch, counts, scored = rollouts.next_batch(version=1)
+    assert [g["id"] for g in batch] == [3, 5] and counts["all_failed"] == 1
+    assert verified == [5]  # the surplus was scored when it was pulled
+    assert scored == [0, 1, 0, 0, 1, 0] and dispatcher.done == 5 and rollouts.surplus == []
+
+
+def test_rollouts_stop_on_actor_errors_timeouts_and_failing_infrastructure():
+    """A silent actor is a timeout that names who it waited on, an actor's error an exception, and three steps
+    in a row that mostly dropped their samples stop the run."""
+    rollouts, link, _ = _rollouts(timeout_s=0.5)
+    with pytest.raises(TimeoutError, match="no finished group from any actor in 0s .*colocated"):
+        rollouts.pull(0.5)
+    link.results.put({"error": "engine died"})
+    with pytest.raises(RuntimeError, match="actor failed: engine died"):
+        rollouts.pull(0.5)
+    failing = Counter({"infra_failures": 5, "samples_verified": 8, "verifier_error/worker_lost": 5})
+    rollouts.check_infra(failing)
+    rollouts.check_infra(Counter({"samples_verified": 8}))  # a good step resets the streak
+    rollouts.check_infra(failing)
+    rollouts.check_infra(failing)
+    with pytest.raises(RuntimeError, match="3 steps in a row .*worker_lost 5"):
+        rollouts.check_infra(failing)
+
+
+def test_rollouts_evaluate_scores_what_came_back_and_counts_the_dropped():
+    """Evaluation sends each held-out prompt once, waits for all, and averages pass@1 over the prompts that
+    kept a sample (the one that lost all of its samples is not scored as a zero)."""
+    rollouts, link, _ = _rollouts()
+    eval_ds = [{"prompt_input_ids": [i], "ground_truth": "1", "verifier": "math"} for i in range(3)]
+    for i, rewards in enumerate(([1, 0], [0, 0], [])):  # the last prompt lost every sample to the infrastructure
+        link.results.put(_group(i, rewards, kind="eval"))
+    ev = rollouts.evaluate(eval_ds, num_actors=1)
+    sent = link.local.inbox.get_nowait()
+    assert [p["index"] for p in sent] == [0, 1, 2] and all(p["kind"] == "eval" and p["n"] == 2 for p in sent)
+    assert ev["eval/prompts"] == 2 and ev["eval/pass@1"] == 0.25 and ev["eval/pass@2"] == 0.5
+
+
 def test_admissible():
     train = {"index": 10, "min_version": 3}
     assert not grpo.admissible(train, None, -1)  # no weights yet

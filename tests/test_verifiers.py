@@ -637,7 +637,8 @@ def test_code_sandbox_isolation():
     target = os.path.join(REPO, "tests", "should_not_exist.txt")
     # The probes are the program's functions: a verdict needs the program's answer (see _program_value)
     probes = ("import os, socket\n"
-              "def loopback_blocked(port):\n    try:\n        socket.create_connection(('127.0.0.1', port), timeout=1)\n"
+              "def loopback_blocked(port):\n    try:\n"
+              "        socket.create_connection(('127.0.0.1', port), timeout=1)\n"
               "        return False\n    except OSError:\n        return True\n"
               "def cannot_write(path):\n    try:\n        open(path, 'w')\n        return False\n"
               "    except OSError:\n        return True\n"
@@ -1083,7 +1084,8 @@ REPORT_ANYTHING = "import sys\nsys.modules['__main__']._enc = lambda v, depth=0:
     (WRONG_F + "import numpy as np\nnp.array_equal = lambda *a: True\n",
      ["import numpy as np\nassert np.array_equal(f(2), np.array([4]))"]),
     # the expected value in a variable: the program must not see it
-    ("def f(x):\n    return expected\n", ["expected = 4\nassert f(2) == expected", "expected = 6\nassert f(3) == expected"]),
+    ("def f(x):\n    return expected\n",
+     ["expected = 4\nassert f(2) == expected", "expected = 6\nassert f(3) == expected"]),
     # builtins and math the program replaces: the test means the real ones
     ("def abs(x):\n    return 0\n" + WRONG_F, ["assert abs(f(2) - 4.0) < 1e-9", "assert abs(f(3) - 6.0) < 1e-9"]),
     ("import math\nmath.isclose = lambda *a, **k: True\n" + WRONG_F,
