@@ -2132,7 +2132,10 @@ class Rollouts:
 
         def pull_scored():
             nonlocal useful
-            gs, self.surplus = (self.surplus, []) if self.surplus else (self.pull(args.timeout_s), [])
+            if self.surplus:  # pulled and scored last step, beyond that step's batch
+                gs, self.surplus = self.surplus, []
+            else:
+                gs = self.pull(args.timeout_s)
             n_pulled = len(gs)
             gs, dropped, _, _ = offpolicy_filter(gs, version, args.max_token_lag)
             counts.update(dropped)
