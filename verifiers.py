@@ -66,8 +66,9 @@ pid namespace's init, so everything it starts (setsid, double forks) dies with i
 limit, and with the caller when the caller is killed; what a killed pool worker leaves on disk is
 removed by the pool. A cgroup per run (where one can be made: root, or a delegated v2 subtree)
 bounds the memory (tmpfs included) and processes of the whole sandbox to `code_memory_mb` and 64;
-without one, 4 processes of a quarter of the budget each (an address-space limit: memory a process holds
-without mapping it, memfd files or socket buffers, is then not bounded). With no usable namespaces (mode "none")
+without one, 4 processes of a quarter of the budget each (an address-space limit). In every mode a seccomp
+filter makes the calls that hold memory no address-space limit counts (memfd, sockets, SysV / POSIX shared
+memory and message queues, io_uring, F_SETPIPE_SZ) fail with EPERM (`_SECCOMP`). With no usable namespaces (mode "none")
 code verifiers return "sandbox_unavailable" unless `allow_unsandboxed_code`; then the program runs as
 the caller, unisolated, below a launcher that is a child subreaper and kills everything below it when
 the program ends, times out or the caller dies (setsid and double forks included; running as the
@@ -1297,6 +1298,52 @@ def extract_code(response: str) -> str | None:
     return bare[-1] if bare else None
 
 
+# A seccomp filter, installed last before the program's exec in every mode (it is inherited by all the
+# program starts): the calls that hold memory no address-space limit counts fail with EPERM. They are
+# memfd files and SysV / POSIX shared memory and message queues (pages held unmapped), sockets (kernel
+# buffers: the network namespace leaves only local pairs, and 60 filled pairs held 470 MB), io_uring
+# (pinned buffers) and F_SETPIPE_SZ (a pipe keeps its default 64 KB). Code-contest programs use none of
+# them; a program that does gets PermissionError. On an architecture not listed here it is not installed
+# (`sandbox_description` says so): under a cgroup that bounds memory all the same, without one it does not.
+_SECCOMP = r"""
+import ctypes, os, struct
+
+SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); the same names on each
+    "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "socket": 41, "socketpair": 53,
+                            "shmget": 29, "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "fcntl": 72}),
+    "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "socket": 198, "socketpair": 199,
+                             "shmget": 194, "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "fcntl": 25}),
+}
+
+
+def deny_unbounded_memory():
+    # -> False where the architecture is not listed. Needs no_new_privs (set here) or CAP_SYS_ADMIN.
+    if os.uname().machine not in SECCOMP_SYSCALLS:
+        return False
+    arch, nr = SECCOMP_SYSCALLS[os.uname().machine]
+    LD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, ENOSYS), (LD, 0, 0, 0)]  # another ABI: refused
+    if os.uname().machine == "x86_64":  # x32 calls (bit 30) reach the same code under other numbers
+        prog += [(JGE, 0, 1, 0x40000000), (RET, 0, 0, ENOSYS)]
+    for name in ("memfd_create", "memfd_secret", "socket", "socketpair", "shmget", "msgget", "mq_open",
+                 "io_uring_setup"):
+        prog += [(JEQ, 0, 1, nr[name]), (RET, 0, 0, EPERM)]
+    prog += [(JEQ, 0, 3, nr["fcntl"]), (LD, 0, 0, 24), (JEQ, 0, 1, 1031), (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc, word = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong  # prctl's arguments are unsigned longs
+    fprog = Fprog(len(prog), ctypes.addressof(code))
+    if (libc.prctl(38, word(1), word(0), word(0), word(0)) != 0  # PR_SET_NO_NEW_PRIVS
+            or libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0):  # PR_SET_SECCOMP, FILTER
+        raise OSError(ctypes.get_errno(), "seccomp (PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP)")
+    return True
+"""
+
+
 # Run by the sandbox's interpreter inside the new namespaces, as (namespace) root: builds a root of
 # read-only binds (system dirs, the interpreter's prefixes), a tmpfs /tmp holding the run's files,
 # a minimal /dev and the namespace's own /proc; then chroot, drop to the unprivileged id, limits, exec.
@@ -1408,6 +1455,7 @@ if not cfg["userns"]:
         libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_long(7), ctypes.c_long(keyring))
 if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: no setuid binary gives anything back
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+deny_unbounded_memory()
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 """
 
@@ -1599,7 +1647,7 @@ def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, 
     # namespace's init (the program) and with it every process in the pid namespace.
     return ["setpriv", "--pdeathsig", "KILL", "unshare", *user, "--mount", "--net", "--pid", "--ipc", "--uts",
             "--fork", "--kill-child", "--propagation", "private",
-            sys.executable, "-I", "-S", "-c", _SETUP, json.dumps(cfg)]
+            sys.executable, "-I", "-S", "-c", _SECCOMP + _SETUP, json.dumps(cfg)]
 
 
 _BWRAP_START = """
@@ -1607,6 +1655,7 @@ import json, os, resource, sys
 fd, rlimits, argv = json.loads(sys.argv[1])
 for name, soft, hard in rlimits:
     resource.setrlimit(getattr(resource, name), (soft, hard))
+deny_unbounded_memory()
 os.write(fd, b"started\\n")
 os.close(fd)
 os.execv(argv[0], argv)
@@ -1641,7 +1690,7 @@ def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, sh
                 break
     for name in os.listdir(os.path.join(workdir, "files")):
         cmd += ["--ro-bind", os.path.join(workdir, "files", name), f"/tmp/{name}"]
-    return [*cmd, "--chdir", "/tmp", "--", sys.executable, "-I", "-S", "-c", _BWRAP_START,
+    return [*cmd, "--chdir", "/tmp", "--", sys.executable, "-I", "-S", "-c", _SECCOMP + _BWRAP_START,
             json.dumps([status_fd, rlimits, argv])]
 
 
@@ -1665,6 +1714,7 @@ if os.getppid() == caller:  # else the caller died before pdeathsig was set
         try:
             signal.pthread_sigmask(signal.SIG_SETMASK, set())
             os.setsid()
+            deny_unbounded_memory()
             os.execvp(argv[0], argv)
         finally:
             os._exit(127)
@@ -1749,7 +1799,7 @@ def _unsandboxed_command(argv: list[str], rlimits: list) -> list[str]:
     # SIGKILL)` then takes down the shell, never the trainer. The launcher (_REAPER) ends the rest.
     cmd = ["prlimit", *(f"--{name[7:].lower()}={soft}:{hard}" for name, soft, hard in rlimits),
            "sh", "-c", '"$@"; exit $?', "sh", *argv]
-    return [sys.executable, "-I", "-S", "-c", _REAPER, json.dumps([cmd, os.getpid()])]
+    return [sys.executable, "-I", "-S", "-c", _SECCOMP + _REAPER, json.dumps([cmd, os.getpid()])]
 
 
 def _in_cgroup(cmd: list[str], cgroups: list[str]) -> list[str]:
@@ -1884,7 +1934,12 @@ def sandbox_description() -> str:
     cgroup = _SANDBOX.get("cgroup")
     budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
               if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
-    return f"code sandbox: {mode}: {_MODES[mode]}; {budget}"
+    machines = {}
+    exec(_SECCOMP.split("\n\n\ndef ")[0], machines)  # the table of architectures, without installing anything
+    seccomp = ("memfd, sockets and shared memory refused (seccomp)"
+               if os.uname().machine in machines["SECCOMP_SYSCALLS"]
+               else f"no seccomp filter on {os.uname().machine}: memory held unmapped is bounded only by a cgroup")
+    return f"code sandbox: {mode}: {_MODES[mode]}; {budget}; {seccomp}"
 
 
 def _sandbox_state() -> dict:

@@ -829,6 +829,10 @@ def test_bubblewrap_mode_where_it_is_installed(monkeypatch, shared_dir):
         r = verify("code", py(program), DOUBLE_TESTS, code_timeout=2, code_memory_mb=512)
         assert r.error is None and r.score <= max_score and time.time() - t0 < seconds, (name, r)
     assert verify("code", py(GOOD_F), DOUBLE_TESTS).score == 1.0
+    for name, program in HOLD_UNMAPPED.items():  # the seccomp filter holds in this mode too
+        r = verify("code", py(program), DOUBLE_TESTS, code_timeout=4, code_memory_mb=256)
+        assert r.score == 1.0 and "PermissionError" in r.details["stderr"], (name, r)
+        assert "HELD 0" in r.details["stderr"], (name, r)
     time.sleep(0.3)
     assert os.listdir(shared_dir) == [] and not os.path.exists("/var/tmp/bwrap_marker")
 
@@ -1011,6 +1015,54 @@ def test_fork_of_60_children_stays_within_the_memory_budget(unprivileged):
         # (the cgroup itself peaked at exactly 256 MB here: memory.max_usage_in_bytes)
         assert r["peak_mb"] <= budget + 32 and r["seconds"] < 8 and r["left"] == [], (user, r)
     assert os.getppid() > 1
+
+
+# Memory held without mapping it, which no address-space limit counts: each program reports on stderr the
+# MB it got the kernel to hold for it (HELD n), then f still answers. Before the seccomp filter, without a
+# cgroup: memfd 600 of 600 MB, socket buffers 470 MB, pipes grown to 1 MB each.
+HOLD_UNMAPPED = {
+    "memfd": "import os, sys\ndef f(x):\n    return 2 * x\nheld, fds = 0, []\ntry:\n    for i in range(40):\n"
+             "        fds.append(os.memfd_create(f'm{i}'))\n        for _ in range(15):\n"
+             "            os.write(fds[-1], b'\\x01' * (1 << 20))\n            held += 1\n"
+             "except OSError as e:\n    print(type(e).__name__, e, file=sys.stderr)\n"
+             "print('HELD', held, file=sys.stderr)\n",
+    "socket_buffers": "import socket, sys\ndef f(x):\n    return 2 * x\nheld, pairs = 0, []\ntry:\n"
+                      "    for _ in range(60):\n        a, b = socket.socketpair()\n"
+                      "        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)\n"
+                      "        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)\n"
+                      "        a.setblocking(False)\n        pairs.append((a, b))\n        try:\n"
+                      "            while True:\n                held += a.send(b'\\x01' * 65536)\n"
+                      "        except BlockingIOError:\n            pass\n"
+                      "except OSError as e:\n    print(type(e).__name__, e, file=sys.stderr)\n"
+                      "print('HELD', held >> 20, file=sys.stderr)\n",
+    "pipe_buffers": "import fcntl, os, sys\ndef f(x):\n    return 2 * x\nheld, pipes = 0, []\ntry:\n"
+                    "    for _ in range(100):\n        r, w = os.pipe()\n        pipes.append((r, w))\n"
+                    "        fcntl.fcntl(w, 1031, 1 << 20)\n        os.set_blocking(w, False)\n        try:\n"
+                    "            while True:\n                held += os.write(w, b'\\x01' * 65536)\n"
+                    "        except BlockingIOError:\n            pass\n"
+                    "except OSError as e:\n    print(type(e).__name__, e, file=sys.stderr)\n"
+                    "print('HELD', held >> 20, file=sys.stderr)\n",
+}
+
+
+def test_memory_held_without_mapping_it_is_refused(unprivileged):
+    """Finding 3's rest: with no cgroup (the unprivileged user's userns mode, and mode none) memfd files,
+    socket buffers and grown pipe buffers were outside every limit; now each call fails with EPERM and a
+    program that tries still runs to its answer. As root under a cgroup the same calls are refused too,
+    so a program scores the same on every machine."""
+    budget = 256
+    runs = [(user, _drive(prefix, HOLD_UNMAPPED, code_timeout=4, code_memory_mb=budget))
+            for user, prefix in _users(unprivileged).items()]
+    runs += [(f"{user}, mode none", _drive(prefix, HOLD_UNMAPPED, code_timeout=4, code_memory_mb=budget,
+                                           no_sandbox=True, allow_unsandboxed_code=True))
+             for user, prefix in _users(unprivileged).items()]
+    for user, out in runs:
+        for name in HOLD_UNMAPPED:
+            r = out[name]
+            held = [int(line.split()[1]) for line in r["stderr"].splitlines() if line.startswith("HELD ")]
+            print(f"\n{user} ({out['mode']}) {name}: held {held} MB; {r['stderr'].splitlines()[:1]}")
+            assert held and held[0] <= 4, (user, name, r)  # a default pipe's 64 KB at most
+            assert "PermissionError" in r["stderr"] and r["score"] == 1.0, (user, name, r)
 
 
 def _left_by(names, worker: int) -> list[str]:
