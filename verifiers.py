@@ -1305,19 +1305,24 @@ def extract_code(response: str) -> str | None:
 # (pinned buffers) and F_SETPIPE_SZ (a pipe keeps its default 64 KB). Code-contest programs use none of
 # them; a program that does gets PermissionError. On an architecture not listed here it is not installed
 # (`sandbox_description` says so): under a cgroup that bounds memory all the same, without one it does not.
-_SECCOMP = r"""
-import ctypes, os, struct
-
-SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); the same names on each
+_SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); the same names on each
     "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "socket": 41, "socketpair": 53,
                             "shmget": 29, "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "fcntl": 72}),
     "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "socket": 198, "socketpair": 199,
                              "shmget": 194, "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "fcntl": 25}),
 }
+_SECCOMP = r"""
+import ctypes, os, struct
+
+SECCOMP_SYSCALLS = TABLE
 
 
 def deny_unbounded_memory():
-    # -> False where the architecture is not listed. Needs no_new_privs (set here) or CAP_SYS_ADMIN.
+    # Sets no_new_privs (no setuid binary gives anything back; the filter needs it), then the filter where
+    # the architecture is listed (-> False where it is not).
+    libc, word = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong  # prctl's arguments are unsigned longs
+    if libc.prctl(38, word(1), word(0), word(0), word(0)) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if os.uname().machine not in SECCOMP_SYSCALLS:
         return False
     arch, nr = SECCOMP_SYSCALLS[os.uname().machine]
@@ -1335,13 +1340,11 @@ def deny_unbounded_memory():
     class Fprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    libc, word = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong  # prctl's arguments are unsigned longs
     fprog = Fprog(len(prog), ctypes.addressof(code))
-    if (libc.prctl(38, word(1), word(0), word(0), word(0)) != 0  # PR_SET_NO_NEW_PRIVS
-            or libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0):  # PR_SET_SECCOMP, FILTER
-        raise OSError(ctypes.get_errno(), "seccomp (PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP)")
+    if libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0:  # PR_SET_SECCOMP, FILTER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
     return True
-"""
+""".replace("TABLE", repr(_SECCOMP_SYSCALLS), 1)
 
 
 # Run by the sandbox's interpreter inside the new namespaces, as (namespace) root: builds a root of
@@ -1453,9 +1456,7 @@ if not cfg["userns"]:
     SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}.get(os.uname().machine)
     for keyring in (-4, -5) if SYS_KEYCTL else ():
         libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_long(7), ctypes.c_long(keyring))
-if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: no setuid binary gives anything back
-    raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-deny_unbounded_memory()
+deny_unbounded_memory()  # and no_new_privs
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 """
 
@@ -1934,10 +1935,7 @@ def sandbox_description() -> str:
     cgroup = _SANDBOX.get("cgroup")
     budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
               if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
-    machines = {}
-    exec(_SECCOMP.split("\n\n\ndef ")[0], machines)  # the table of architectures, without installing anything
-    seccomp = ("memfd, sockets and shared memory refused (seccomp)"
-               if os.uname().machine in machines["SECCOMP_SYSCALLS"]
+    seccomp = ("memfd, sockets and shared memory refused (seccomp)" if os.uname().machine in _SECCOMP_SYSCALLS
                else f"no seccomp filter on {os.uname().machine}: memory held unmapped is bounded only by a cgroup")
     return f"code sandbox: {mode}: {_MODES[mode]}; {budget}; {seccomp}"
 
