@@ -1092,6 +1092,29 @@ def test_killed_worker_leaves_no_work_dir_behind():
         assert pool.score([("code", py(GOOD_F), DOUBLE_TESTS)])[0].score == 1.0  # and the pool goes on
 
 
+@pytest.mark.parametrize("mode", ["namespace", "userns"])
+def test_setup_never_remakes_a_work_dir_that_was_removed(tmp_path, mode):
+    """The race behind finding 4: the pool removes a killed worker's work dir while that worker's sandbox setup
+    still runs; the setup must fail there, not make the dir again on the host (where nothing would remove it)."""
+    if V.run_sandboxed({}, [sys.executable, "-c", "pass"], mode=mode)["status"] != "ok":
+        pytest.skip(f"mode {mode} does not run here")
+    workdir = tmp_path / "removed"
+    (workdir / "files").mkdir(parents=True)  # and no root: the pool got there first
+    uid = V._acquire_uid()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as status:
+        proc, cgroups = V._sandbox_popen([sys.executable, "-c", "print('ran')"], str(workdir), 5.0, 256,
+                                         subprocess.DEVNULL, out, subprocess.DEVNULL, uid, mode, (), status)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            V._kill_sandbox(proc, mode)
+            V._remove_cgroup(cgroups)
+            V._release_uid(uid)
+        assert not (workdir / "root").exists()
+        assert V._read(status, 4000), "the setup reported no error"
+        assert "ran" not in V._read(out, 4000)
+
+
 KEYRING = ("import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
            "SYS = {'x86_64': (248, 250), 'aarch64': (217, 219)}[os.uname().machine]\n"
            "if sys.argv[1] == 'add':\n"
