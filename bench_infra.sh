@@ -16,7 +16,7 @@
 # groups dropped, and each configuration's speedup over the first. Writes results.json,
 # results.md, tokens_per_s.png and each run's log (run_*.log) and output directory into RESULTS_DIR.
 #
-#   bash bench_infra.sh                       # CPU default: toy model, ~6 min on an idle 2-core machine
+#   bash bench_infra.sh                       # CPU default: toy model, 6-13 min on an idle 2-core machine
 #   bash bench_infra.sh --report RESULTS_DIR  # only (re)build the table and plot from finished runs
 #
 # Budget. Every configuration runs the same number of learner steps (STEPS), with the same seed,
@@ -60,12 +60,13 @@
 # What to expect. Static batching generates one step's share at a time (4 of the 8 slots on the
 # CPU default) and waits for its longest response before it takes the next batch. Continuous
 # batching keeps the slots filled from the prompts of the next ASYNC_STEPS steps. With drained
-# updates it still stops admitting at every learner step and drains before it loads the new
-# weights (streamed into its workers with no staging copy: learner 0's stream waits for a draining
-# engine), so its engine idles much of the time and it gains little over static batching (1.07-1.33x
-# generated tokens/s in three CPU runs); inflight updates remove the drain (2.3-3.1x). Under inflight
-# updates a long sequence spans several learner versions; the table's `token lag` column shows how
-# many on average.
+# updates an engine must stop admitting and drain before it loads, so it asks for new weights only
+# when every prompt it holds needs newer ones (learner 0 then streams at its next step boundary;
+# also every ASYNC_STEPS versions and before an evaluation): it drains about once per few learner
+# steps and loads the latest version, instead of draining at every step. Inflight updates remove the
+# drain altogether. Under inflight updates a long sequence spans several learner versions; the
+# table's `token lag` column shows how many on average. (When every update drained, continuous
+# batching gained only 1.07-1.33x over static batching in four CPU runs.)
 #
 # Peaks. MFU and MBU divide by the device's peaks. On GPUs these are the datasheet's; on CPU they are
 # measured once here, before the runs (an fp32 matmul and a memory copy on the cores an actor rank is
@@ -221,8 +222,8 @@ if "continuous_drained" in by and "continuous_inflight" in by:
     targets["inflight_vs_drained_steps_per_min"] = {"measured": v, "target": ">= 1.3x", "holds": v >= 1.3}
 cont = [r for r in rows if r["config"].startswith("continuous")]
 # Olmo 3 sec 4.5: inflight updates keep the engine busy and the update cheap. With drained updates the
-# engine must finish what it runs before it can load (and the learner's stream, which keeps no staging
-# copy, waits for that), so a drained run's occupancy and sync share are context, not targets.
+# engine must finish what it runs before it can load, so a drained run's occupancy and sync share are
+# context, not targets.
 inflight = [r for r in rows if r["config"].endswith("inflight")]
 if inflight:
     v = min(r["actor_occupancy"] for r in inflight)
@@ -237,7 +238,7 @@ if len(lengths) > 1:  # the off-policy rule must not select against long answers
     targets["kept_length_spread"] = {"measured": v, "target": "< 0.05 (max / min mean kept length - 1)", "holds": v < 0.05}
 # Not targets, context for them: the whole Olmo 3 actor (continuous batching with inflight updates)
 # against static batching, each continuous run's occupancy (with drained updates the engine admits
-# nothing while it drains at every learner step), and inflight vs drained in trained tokens/s, which,
+# nothing while it drains for new weights), and inflight vs drained in trained tokens/s, which,
 # unlike generated tokens/s, counts only what was not dropped as stale.
 context = {}
 if "static_drained" in by and "continuous_inflight" in by:

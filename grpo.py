@@ -203,8 +203,9 @@ class Args:
     batching: str = field(default="continuous", metadata={
         "help": "'continuous' (keep the engine full) or 'static' (one generate-style batch at a time; ablation)."})
     inflight_updates: bool = field(default=True, metadata={
-        "help": "Load new weights between two engine steps without draining (off: drain, then load them; learner "
-                "0's weight stream waits for the drain, at most about one update ahead)."})
+        "help": "Load new weights between two engine steps without draining (Olmo 3). Off: an engine drains, "
+                "then loads; learner 0 streams weights only when an engine asks for them (every prompt it "
+                "holds needs newer ones), when they are async_steps versions old, and before an evaluation."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
@@ -1300,6 +1301,7 @@ class Actor:
         self.waiting = []  # prompt messages received but not yet admitted
         self.release = -1  # training prompts with a smaller index are needed now: no version gate
         self.probe = None  # (request id, learner probe logprobs, version) while a probe runs
+        self.wants = None  # drained updates: the version whose successor this engine asked for (_ask_for_weights)
         self.stats = Counter()
         self.stats_t = time.perf_counter()
         self.static_batch = math.ceil(args.num_unique_prompts_per_step / num_actors)  # prompts per static batch
@@ -1445,7 +1447,7 @@ class Actor:
             self.stats["weight_loads"] += 1
         else:
             self.engine.set_weight_version(str(upd["version"]))
-        self.version = upd["version"]
+        self.version, self.wants = upd["version"], None
         self.stats["weight_load_s"] += time.perf_counter() - t
         self.stats["updates"] += 1
         if upd.get("probe_ids"):
@@ -1453,35 +1455,18 @@ class Actor:
 
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
-        args, engine = self.args, self.engine
+        args = self.args
         # After run_actor_rank pinned this rank: the peaks of the cores the engine really uses
         self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(args.peak_flops, args.peak_memory_bandwidth,
                                                                         self.peak_device)
         self.run_totals, self.run_t0 = Counter(), time.perf_counter()
-        static = args.batching == "static"
         next_update, drain_t0 = None, None
         while not self.stop.is_set():
-            while True:  # prompts that arrived (the prefetch thread / learner keeps this topped up)
-                try:
-                    msg = self.inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if msg is None:
-                    self.stop.set()
-                    break
-                for m in msg:
-                    if "release" in m:
-                        self.release = max(self.release, m["release"])
-                    else:
-                        self.waiting.append(m)
+            self._take_prompts()
             if next_update is None:
-                try:
+                with contextlib.suppress(queue.Empty):
                     next_update = self.updates.get_nowait()
-                except queue.Empty:
-                    pass
-            busy = len(self.pending) > 0
-            # weights: inflight = now; otherwise (drain mode, static batches) once nothing runs
-            if next_update is not None and (self.version is None or (args.inflight_updates and not static) or not busy):
+            if next_update is not None and self._may_load_now():
                 if drain_t0 is not None:
                     self.stats["drain_s"] += time.perf_counter() - drain_t0
                     drain_t0 = None
@@ -1489,45 +1474,87 @@ class Actor:
                 self._apply_update(next_update)
                 self.busy_since = None
                 next_update = None
-            elif next_update is not None and drain_t0 is None:
+            elif next_update is not None and drain_t0 is None:  # draining: admit nothing until it loads
                 drain_t0 = time.perf_counter()
-            # admit: continuous keeps max_num_seqs plus one group of slack queued in vLLM; static
-            # admits a whole batch only when the previous one has finished (what llm.generate does)
-            # (only prompts the version gate lets through: generation never runs more than
-            # async_steps policies ahead of the step that consumes it; see admission_version)
             if self.version is not None and next_update is None:
-                ok = [p for p in self.waiting if admissible(p, self.version, self.release)] if self.waiting else []
-                if static and not busy and ok:
-                    batch = ok[:self.static_batch]
-                    for p in batch:
-                        self._admit(p)
-                    ids = {id(p) for p in batch}
-                    self.waiting = [p for p in self.waiting if id(p) not in ids]
-                    self.stats["static_batches"] += 1
-                elif not static and ok:
-                    room = max(0, args.max_num_seqs + args.num_samples_per_prompt - len(self.pending))
-                    batch = ok[:math.ceil(room / args.num_samples_per_prompt)] if room else []
-                    for p in batch:
-                        self._admit(p)
-                    ids = {id(p) for p in batch}
-                    self.waiting = [p for p in self.waiting if id(p) not in ids]
-            t = time.perf_counter()
-            if engine.has_unfinished_requests():
-                running = min(len(self.pending) + (self.probe is not None), args.max_num_seqs)
-                self.busy_since = time.monotonic()
-                outs = engine.step()
-                self.busy_since = None
-                self._process(outs)
-                if static and not self.pending and self.static_lens:  # the batch is done
-                    self.stats["static_waste_sum"] += static_waste(self.static_lens)
-                    self.stats["static_waste_n"] += 1
-                    self.static_lens = []
-                dt = time.perf_counter() - t
-                self.stats["occupancy_s"] += dt * running / args.max_num_seqs
-                self.stats["busy_s"] += dt
-            else:
-                time.sleep(0.005)
-                self.stats["idle_s"] += time.perf_counter() - t
+                self._admit_ready()
+                if not self._loads_inflight():
+                    self._ask_for_weights()
+            self._step_engine()
+
+    def _take_prompts(self):
+        """Prompts that arrived (the prefetch thread / learner keeps this topped up), and release indices."""
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg is None:
+                self.stop.set()
+                return
+            for m in msg:
+                if "release" in m:
+                    self.release = max(self.release, m["release"])
+                else:
+                    self.waiting.append(m)
+
+    def _loads_inflight(self) -> bool:
+        """Inflight updates (Olmo 3 sec 4.5; continuous batching only): between any two engine steps, running
+        requests keep their KV cache. Otherwise (drained updates, static batches) only once nothing runs."""
+        return self.args.inflight_updates and self.args.batching != "static"
+
+    def _may_load_now(self) -> bool:
+        return self.version is None or self._loads_inflight() or not self.pending
+
+    def _ask_for_weights(self):
+        """Departure (drained updates): an engine that must drain to load asks for new weights only when it
+        needs them, once every prompt it holds needs newer weights than its own (the version gate), so that it
+        drains about once per async_steps learner steps, not at every one, and then loads the latest
+        version. Learner 0 streams at its next step boundary (stream_now)."""
+        if self.wants is None and self.waiting and not any(admissible(p, self.version, self.release)
+                                                           for p in self.waiting):
+            self.wants = self.version
+            self.emit({"want_weights": self.version, "actor": self.actor_id})
+
+    def _admit_ready(self):
+        """Start the waiting prompts the version gate lets through (generation never runs more than
+        async_steps policies ahead of the step that consumes it: admission_version). Continuous batching
+        (Olmo 3 sec 4.4) keeps max_num_seqs plus one group of slack queued in vLLM; static batching admits a
+        whole batch only when the previous one has finished (what llm.generate does)."""
+        ok = [p for p in self.waiting if admissible(p, self.version, self.release)]
+        static, n = self.args.batching == "static", self.args.num_samples_per_prompt
+        if static:
+            batch = ok[:self.static_batch] if not self.pending else []
+        else:
+            batch = ok[:math.ceil(max(0, self.args.max_num_seqs + n - len(self.pending)) / n)]
+        if not batch:
+            return
+        for p in batch:
+            self._admit(p)
+        taken = {id(p) for p in batch}
+        self.waiting = [p for p in self.waiting if id(p) not in taken]
+        if static:
+            self.stats["static_batches"] += 1
+
+    def _step_engine(self):
+        """One engine step (or a short sleep when nothing runs), with its occupancy and time."""
+        t = time.perf_counter()
+        if not self.engine.has_unfinished_requests():
+            time.sleep(0.005)
+            self.stats["idle_s"] += time.perf_counter() - t
+            return
+        running = min(len(self.pending) + (self.probe is not None), self.args.max_num_seqs)
+        self.busy_since = time.monotonic()
+        outs = self.engine.step()
+        self.busy_since = None
+        self._process(outs)
+        if self.args.batching == "static" and not self.pending and self.static_lens:  # the batch is done
+            self.stats["static_waste_sum"] += static_waste(self.static_lens)
+            self.stats["static_waste_n"] += 1
+            self.static_lens = []
+        dt = time.perf_counter() - t
+        self.stats["occupancy_s"] += dt * running / self.args.max_num_seqs
+        self.stats["busy_s"] += dt
 
     def shutdown(self):
         self.stop.set()
@@ -1659,6 +1686,8 @@ class Link:
         self.lock = threading.Lock()
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
         self.sender = None
+        self.streamed = None  # the version of the last update sent to the engines
+        self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
             for r in actor_ranks:
                 threading.Thread(target=self._receive, args=(r,), daemon=True).start()
@@ -1670,6 +1699,9 @@ class Link:
                 msg = recv_obj(rank, self.groups["data"], wait)
                 self.heard[rank] = time.time()
                 wait = self.args.timeout_s
+                if "want_weights" in msg:
+                    self.wants[rank] = msg["want_weights"]
+                    continue
                 self.error = self.error or msg.get("error")
                 self.results.put(msg)
                 if "done" in msg or "error" in msg:
@@ -1703,6 +1735,12 @@ class Link:
             broadcast_obj(sender.info, 0, self.groups["weights"], self.args.startup_timeout_s)
             sender.connect()
 
+    def wants_weights(self) -> bool:
+        """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
+        before that update arrived is answered by it."""
+        asked = [self.local.wants] if self.local is not None else list(self.wants.values())
+        return any(v is not None and v >= self.streamed for v in asked)
+
     def send_weights(self, header: dict, tensors, timeout_s: float) -> dict:
         """A weight update: its header (version, probe; `stream`: its weights stream into the engines'
         workers) to every actor, and the stream of `tensors` (returns its times)."""
@@ -1712,6 +1750,7 @@ class Link:
             else:
                 broadcast_obj(header, 0, self.groups["weights"], timeout_s)
 
+        self.streamed = header["version"]
         if not header.get("stream"):
             announce()
             return {}
@@ -1796,6 +1835,9 @@ class Dispatcher(threading.Thread):
         """The learner starts training on `version` (its weights are on their way to the actors)."""
         with self.cond:
             self.version, self.need = version, self.args.num_unique_prompts_per_step
+            # this step's own prompts may start on any weights the engines hold: these are at most
+            # async_steps versions old (stream_now), and a gate that lets none through would stall the step
+            self.release = max(self.release, self.done + self.need)
             useful, seen = self.rate_counts
             if seen:  # clamped: a step where nearly everything was filtered must not blow up the prefetch
                 self.rate = min(1.0, max(0.25, useful / seen))
@@ -2067,6 +2109,21 @@ def sync_weights(args: Args, policy: Policy, layout: Layout, link: Link | None, 
     return dict(times, sync=time.perf_counter() - t)
 
 
+def stream_now(args: Args, layout: Layout, link: Link | None, version: int, evaluates: bool) -> bool:
+    """ALL learners call this: does this step end with a weight update? Inflight updates: always. Drained
+    ones (departure, see Actor._ask_for_weights): when an engine asked, when the engines' weights would
+    otherwise be async_steps versions old at the next step (the off-policy bound: an engine may load one
+    step late), and before an evaluation (it measures the policy after this step). Learner 0 decides."""
+    if args.inflight_updates and args.batching != "static":
+        return True
+    decision = None
+    if layout.is_main:
+        decision = bool(evaluates or version - link.streamed >= args.async_steps or link.wants_weights())
+    if layout.num_learners > 1:
+        decision = broadcast_list([decision], layout.groups["learners"], args.timeout_s)[0]
+    return decision
+
+
 def score_groups(groups: list[dict], counts: Counter, tokenizer, pool) -> None:
     """verifiers.py rewards, set on each sample and as the group's `rewards`. An error the response
     caused (no answer, a check that timed out on it, a verifier that raised on it) scores 0; an
@@ -2306,28 +2363,13 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         m.update({"rollout/lag_mean": float(la.mean()), "rollout/lag_max": int(la.max()),
                   **{f"rollout/lag_frac_{i}": float((la == i).mean()) for i in range(args.async_steps + 1)},
                   f"rollout/lag_frac_gt{args.async_steps}": float((la > args.async_steps).mean())})
-    # actors: sums of their stats deltas; MFU / MBU are totals over (elapsed x peak), i.e. averaged over engines
-    s = Counter()
-    for st in stats_list:
-        for k, v in st.items():
-            # probe diffs are maxed below; every other number (probe_checks too) is summed
-            if isinstance(v, (int, float)) and k not in ("actor", "peak_flops", "peak_bw", "max_num_seqs",
-                                                          "probe_mean_abs_diff", "probe_max_abs_diff"):
-                s[k] += v
-        s["peak_flops_s"] += st["elapsed"] * st["peak_flops"]
-        s["peak_bw_s"] += st["elapsed"] * st["peak_bw"]
-        s["probe_mean"] = max(s["probe_mean"], st.get("probe_mean_abs_diff", 0.0))
-        s["probe_max"] = max(s["probe_max"], st.get("probe_max_abs_diff", 0.0))
+    s = sum_actor_stats(stats_list)
     el = max(s["elapsed"], 1e-9)
-    weight_wait = s["idle_s"] + s["drain_s"] + s["weight_load_s"]
-    per_actor = defaultdict(lambda: [0, 0.0])  # actor -> [tokens, seconds]; engines run in parallel
-    for st in stats_list:
-        per_actor[st["actor"]][0] += st.get("gen_tokens", 0)
-        per_actor[st["actor"]][1] += st["elapsed"]
-    m.update({"perf/actor_tokens_per_s": sum(t / max(e, 1e-9) for t, e in per_actor.values()),
+    m.update({"perf/actor_tokens_per_s": engines_tokens_per_s(s),
               "perf/actor_mfu": s["flops"] / max(s["peak_flops_s"], 1e-9),
               "perf/actor_mbu": s["bytes"] / max(s["peak_bw_s"], 1e-9),
-              "perf/actor_occupancy": s["occupancy_s"] / el, "time/actor_weight_wait": weight_wait,
+              "perf/actor_occupancy": s["occupancy_s"] / el,
+              "time/actor_weight_wait": s["idle_s"] + s["drain_s"] + s["weight_load_s"],
               "time/actor_idle": s["idle_s"], "time/actor_drain": s["drain_s"],
               "time/actor_weight_load": s["weight_load_s"],
               "sync/probe_checks": s["probe_checks"], "sync/probe_mean_abs_diff": s["probe_mean"],
@@ -2337,16 +2379,8 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         m["perf/peak_flops"], m["perf/peak_memory_bandwidth"] = stats_list[-1]["peak_flops"], stats_list[-1]["peak_bw"]
     if s["weight_loads"]:  # the engines' own loading of the updates they reported this step, mean per engine
         m["time/weight_load"] = s["weight_apply_s"] / s["weight_loads"]
-    m["_engines_loaded"] = sorted({st["actor"] for st in stats_list if st.get("weight_loads")})
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
-    m["_per_actor"] = {a: tuple(v) for a, v in per_actor.items()}
-    m.update({"_actor_gen_tokens": s["gen_tokens"], "_actor_flops": s["flops"], "_actor_bytes": s["bytes"],
-              "_actor_elapsed": s["elapsed"], "_actor_peak_flops_s": s["peak_flops_s"],
-              "_actor_peak_bw_s": s["peak_bw_s"], "_actor_occupancy_s": s["occupancy_s"],
-              "_actor_weight_wait_s": weight_wait, "_static_waste_sum": s["static_waste_sum"],
-              "_static_waste_n": s["static_waste_n"], "_actor_weight_apply_s": s["weight_apply_s"],
-              "_actor_weight_loads": s["weight_loads"]})
     return m
 
 
@@ -2396,7 +2430,8 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
             metrics["time/data_wait"] = time.perf_counter() - t
             plan = plan_step(batch, args, policy, num_learners)
             _, _, lags, first_lags = offpolicy_filter(batch, version)  # the lag of what this step trains on
-            metrics.update(rollout_metrics(batch, counts, lags, first_lags, scored, rollouts.take_stats(), args))
+            actor_stats = rollouts.take_stats()
+            metrics.update(rollout_metrics(batch, counts, lags, first_lags, scored, actor_stats, args))
             rollouts.check_infra(counts)
         if num_learners > 1:
             plan = broadcast_list(plan, groups["learners"], args.timeout_s)
@@ -2409,7 +2444,10 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
         train_time = time.perf_counter() - t
         version += 1
         # ---- weights to the engines (inflight: they keep generating), then the prompt gate moves on
-        sync = sync_weights(args, policy, layout, link, probe_ids, version, full=True)
+        evaluates = eval_ds is not None and args.eval_every and ((step + 1) % args.eval_every == 0
+                                                                 or step + 1 == args.num_training_steps)
+        streams = stream_now(args, layout, link, version, evaluates)
+        sync = sync_weights(args, policy, layout, link, probe_ids, version, full=True) if streams else {"sync": 0.0}
         if is_main:
             dispatcher.begin_step(version)
         if num_learners > 1:  # each learner trained its own bins: the step's numbers are sums over learners
@@ -2428,14 +2466,15 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
         if is_main:
             metrics.update(train_metrics(agg, grad_norms, policy.scheduler.get_last_lr()[0], args))
             metrics.update({"time/train": train_time, "time/weight_sync": sync["sync"], "time/step": step_time,
+                            "sync/streamed": int(streams),
                             "time/save": save_time,
                             **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
                             "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9)})
             totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
                            "learner_tokens": learner_tokens, "train_time": train_time, "sync_time": sync["sync"],
-                           "save_time": save_time,
+                           "save_time": save_time, "weight_updates": int(streams),
                            **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
-            add_actor_totals(totals, metrics)
+            add_actor_totals(totals, actor_stats)
             logger.log(step + 1, metrics)
     finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
                eval_history, run_t0)
@@ -2461,7 +2500,8 @@ def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, po
     dispatcher.stop.set()
     dispatcher.join(timeout=10)
     link.close()
-    add_final_loads(totals, rollouts.take_stats() + link.final_stats(layout.num_actors, timeout_s=30.0))
+    last_stats = rollouts.take_stats() + link.final_stats(layout.num_actors, timeout_s=30.0)
+    add_actor_totals(totals, last_stats, loads_only=True)
     write_summary(args, totals, eval_history, run_t0, local_actor)
     pool.close()
     logger.close()
@@ -2603,38 +2643,47 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def add_actor_totals(totals: Counter, metrics: dict) -> None:
-    """Move a step's actor totals (the `_`-prefixed keys of rollout_metrics) from `metrics` into the run's
-    `totals`, for the summary. Per actor too: engines run side by side, so the run's generation rate is
-    the sum of each engine's tokens over its own time, not all tokens over all engines' time."""
-    for k in ("actor_gen_tokens", "actor_flops", "actor_bytes", "actor_elapsed", "actor_peak_flops_s",
-              "actor_peak_bw_s", "actor_occupancy_s", "actor_weight_wait_s", "static_waste_sum", "static_waste_n",
-              "actor_weight_apply_s", "actor_weight_loads"):
-        totals[k] += metrics.pop("_" + k, 0)
-    for actor in metrics.pop("_engines_loaded", []):  # engines that loaded a streamed update, for the summary
-        totals[f"weight_loaded/{actor}"] = 1
-    for actor, (tokens, seconds) in metrics.pop("_per_actor", {}).items():
-        totals[f"actor_tokens/{actor}"] += tokens
-        totals[f"actor_elapsed/{actor}"] += seconds
-    for k, k2 in (("perf/peak_source", "peak_source"), ("perf/peak_flops", "peak_flops"),
-                  ("perf/peak_memory_bandwidth", "peak_bw")):
-        if k in metrics:
-            totals[k2] = metrics[k]
-
-
-def add_final_loads(totals: Counter, stats_list: list[dict]) -> None:
-    """The weight loads that no consumed group reported (the last updates), for the summary's
-    engines_loaded and mean_weight_load_s."""
+def sum_actor_stats(stats_list: list[dict]) -> Counter:
+    """The actors' stats deltas summed (the probe's diffs: their max), with each engine's elapsed x peak (MFU and
+    MBU divide by their sum: a mean over engines), and per engine A its tokens (`tokens/A`), seconds
+    (`elapsed/A`) and whether it loaded a streamed update (`loaded/A`)."""
+    s = Counter()
     for st in stats_list:
+        for k, v in st.items():
+            if isinstance(v, (int, float)) and k not in ("actor", "peak_flops", "peak_bw", "max_num_seqs",
+                                                          "probe_mean_abs_diff", "probe_max_abs_diff"):
+                s[k] += v
+        s["peak_flops_s"] += st["elapsed"] * st["peak_flops"]
+        s["peak_bw_s"] += st["elapsed"] * st["peak_bw"]
+        s["probe_mean"] = max(s["probe_mean"], st.get("probe_mean_abs_diff", 0.0))
+        s["probe_max"] = max(s["probe_max"], st.get("probe_max_abs_diff", 0.0))
+        s[f"tokens/{st['actor']}"] += st.get("gen_tokens", 0)
+        s[f"elapsed/{st['actor']}"] += st["elapsed"]
         if st.get("weight_loads"):
-            totals[f"weight_loaded/{st['actor']}"] = 1
-            totals["actor_weight_loads"] += st["weight_loads"]
-            totals["actor_weight_apply_s"] += st.get("weight_apply_s", 0.0)
+            s[f"loaded/{st['actor']}"] = 1
+    return s
 
 
-def generated_tokens_per_s(totals: Counter) -> float:
-    return sum(v / max(totals[f"actor_elapsed/{k[13:]}"], 1e-9) for k, v in totals.items()
-               if k.startswith("actor_tokens/"))
+def engines_tokens_per_s(s: Counter, prefix: str = "") -> float:
+    """Engines run side by side: the rate is the sum of each engine's tokens over its own time, not all
+    tokens over all engines' time (their mean)."""
+    head = f"{prefix}tokens/"
+    return sum(v / max(s[f"{prefix}elapsed/{k[len(head):]}"], 1e-9) for k, v in s.items() if k.startswith(head))
+
+
+def add_actor_totals(totals: Counter, stats_list: list[dict], loads_only: bool = False) -> None:
+    """Add a step's actor stats deltas to the run's totals for the summary (keys `actor_*`, and
+    `weight_loaded/A` for each engine that loaded a streamed update). loads_only: only the loads, from the
+    stats that no consumed group carried (the last updates; their seconds are the shutdown, not generation)."""
+    s = sum_actor_stats(stats_list)
+    for k, v in s.items():
+        if k.startswith("loaded/"):
+            totals[f"weight_{k}"] = 1
+        elif (not loads_only or k in ("weight_loads", "weight_apply_s")) and k not in ("probe_mean", "probe_max"):
+            totals[f"actor_{k}"] += v
+    if stats_list and not loads_only:  # the latest peaks, assigned (a Counter's update() would add them)
+        for k in ("peak_source", "peak_flops", "peak_bw"):
+            totals[k] = stats_list[-1][k]
 
 
 def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
@@ -2642,18 +2691,19 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
     summary = {
         "args": dataclasses.asdict(args), "steps": totals["steps"], "wall_s": time.perf_counter() - run_t0,
         "mean_step_time_s": totals["step_time"] / steps, "mean_data_wait_s": totals["data_wait"] / steps,
-        "mean_weight_sync_s": totals["sync_time"] / steps,
+        "mean_weight_sync_s": totals["sync_time"] / steps, "weight_updates": totals["weight_updates"],
         **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "transfer")},
         "mean_weight_load_s": totals["actor_weight_apply_s"] / max(totals["actor_weight_loads"], 1),
         "engines_loaded": sum(1 for k in totals if k.startswith("weight_loaded/")),
-        "generated_tokens_per_s": generated_tokens_per_s(totals),
+        "generated_tokens_per_s": engines_tokens_per_s(totals, "actor_"),
         "learner_tokens_per_s": totals["learner_tokens"] / max(totals["train_time"], 1e-9),
         "actor_mfu": totals["actor_flops"] / max(totals["actor_peak_flops_s"], 1e-9),
         "actor_mbu": totals["actor_bytes"] / max(totals["actor_peak_bw_s"], 1e-9),
         "actor_occupancy": totals["actor_occupancy_s"] / max(totals["actor_elapsed"], 1e-9),
-        "actor_weight_wait_s": totals["actor_weight_wait_s"], "learner_data_wait_s": totals["data_wait"],
-        "static_wasted_fraction": (totals["static_waste_sum"] / totals["static_waste_n"]
-                                   if totals["static_waste_n"] else None),
+        "actor_weight_wait_s": totals["actor_idle_s"] + totals["actor_drain_s"] + totals["actor_weight_load_s"],
+        "learner_data_wait_s": totals["data_wait"],
+        "static_wasted_fraction": (totals["actor_static_waste_sum"] / totals["actor_static_waste_n"]
+                                   if totals["actor_static_waste_n"] else None),
         "peak_source": (local_actor.peak_source if local_actor
                         else totals.get("peak_source", "see metrics.jsonl perf/peak_source")),
         "peak_flops": local_actor.peak_flops if local_actor else totals.get("peak_flops"),

@@ -234,9 +234,9 @@ def test_offpolicy_lags_recorded_and_groups_kept_unless_max_token_lag():
 def _simulate_gate(P, K, steps, useful_every=1, gate=True):
     """Learner 0 and a fast actor, in lockstep with grpo's admission rules: the dispatcher refills on
     every consumption (prefetch_window, labels from admission_version with last step's useful
-    fraction), the actor starts every admissible prompt at once under its current version, the
-    learner consumes in order until P useful groups (one in `useful_every` is useful). Returns the
-    per-group lags; fails on a starved learner."""
+    fraction; each step releases its own prompts), the actor starts every admissible prompt at once
+    under its current version, the learner consumes in order until P useful groups (one in
+    `useful_every` is useful). Returns the per-group lags; fails on a starved learner."""
     pos, consumed, labels, gen, release, rate = 0, 0, {}, {}, -1, 1.0
 
     def refill(v, need):
@@ -254,6 +254,7 @@ def _simulate_gate(P, K, steps, useful_every=1, gate=True):
     refill(0, P)
     for v in range(steps):
         useful, start = 0, consumed
+        release = max(release, consumed + P)  # Dispatcher.begin_step: the step's own prompts
         generate(v)
         while useful < P:
             assert consumed in gen, f"learner starved at step {v} waiting for prompt {consumed}"
@@ -1101,6 +1102,35 @@ def test_drained_updates_keep_the_lag_within_the_bound(toy_model_dir, toy_data_d
     assert max(r["rollout/lag_max"] for r in train) <= bound + 1, [r["rollout/lag_max"] for r in train]
 
 
+@pytest.mark.slow
+def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_data_dir, tmp_path):
+    """Drained updates under --async_steps 3 (torchrun: the engine's request travels over gloo): learner 0
+    streams new weights only when the engine asks (every prompt it holds needs newer ones), when its weights
+    reach the bound, and before the closing evaluation; not at every step. Every step still trains all its
+    groups and the lag stays within the bound."""
+    rows = [json.loads(line) for line in open(os.path.join(toy_data_dir, "rlvr.jsonl"))][:400]
+    data = tmp_path / "by_length.jsonl"
+    data.write_text("".join(json.dumps({**r, "verifier": "max_length", "ground_truth": "0"}) + "\n" for r in rows))
+    out = str(tmp_path / "run")
+    steps, bound = 12, 3
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps), "--eval_every",
+                       str(steps), "--dataset_mixer_list", str(data), "1.0", "--inflight_updates", "false",
+                       "--async_steps", str(bound), "--num_unique_prompts_per_step", "2", "--num_learners", "1",
+                       "--num_samples_per_prompt", "4", "--learning_rate", "1e-5", "--pack_length", "1024")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
+                   cwd=REPO, check=True, timeout=600)
+    train = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(train) == steps and all(r["rollout/groups"] == 2 for r in train)
+    streamed = [r["sync/streamed"] for r in train]
+    assert 0 < sum(streamed) < steps and streamed[-1] == 1, streamed  # the last: before the final evaluation
+    since = 0  # versions since the engines' weights were sent
+    for s in streamed:
+        since = 0 if s else since + 1
+        assert since < bound, streamed
+    assert max(r["rollout/lag_max"] for r in train) <= bound, [r["rollout/lag_max"] for r in train]
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["weight_updates"] == sum(streamed)
+
 def _descendants(pid: int) -> list[int]:
     children = {}
     for d in os.listdir("/proc"):
@@ -1432,16 +1462,17 @@ def test_two_actors_rates_sum_over_engines_and_mfu_is_a_mean():
         return {"actor": actor, "gen_tokens": tokens, "elapsed": seconds, "flops": flops, "bytes": 0.0,
                 "peak_flops": peak, "peak_bw": 1.0, "peak_source": "given", "max_num_seqs": 4}
     args = grpo.Args(async_steps=1)
-    step1 = grpo.rollout_metrics([], Counter(), [], [], [],
-                                 [stats(0, 100, 2.0, 40.0, 10.0), stats(1, 300, 3.0, 60.0, 10.0)], args)
-    assert step1["perf/actor_tokens_per_s"] == pytest.approx(100 / 2 + 300 / 3)  # 150, not 400 / 5 = 80
-    assert step1["perf/actor_mfu"] == pytest.approx((40 + 60) / (2 * 10 + 3 * 10))  # 2.0 FLOP/s of 10 each
-    step2 = grpo.rollout_metrics([], Counter(), [], [], [],
-                                 [stats(0, 60, 1.0, 0.0, 10.0), stats(1, 0, 1.0, 0.0, 10.0)], args)
+    step1 = [stats(0, 100, 2.0, 40.0, 10.0), stats(1, 300, 3.0, 60.0, 10.0)]
+    m = grpo.rollout_metrics([], Counter(), [], [], [], step1, args)
+    assert m["perf/actor_tokens_per_s"] == pytest.approx(100 / 2 + 300 / 3)  # 150, not 400 / 5 = 80
+    assert m["perf/actor_mfu"] == pytest.approx((40 + 60) / (2 * 10 + 3 * 10))  # 2.0 FLOP/s of 10 each
+    step2 = [stats(0, 60, 1.0, 0.0, 10.0), stats(1, 0, 1.0, 0.0, 10.0)]
     totals = Counter()
-    for m in (step1, step2):
-        grpo.add_actor_totals(totals, m)
-        assert not [k for k in m if k.startswith("_")]  # totals leave the logged metrics
+    for stats_list in (step1, step2):
+        grpo.add_actor_totals(totals, stats_list)
     # actor 0: 160 tokens in 3 s; actor 1: 300 tokens in 4 s
-    assert grpo.generated_tokens_per_s(totals) == pytest.approx(160 / 3 + 300 / 4)
+    assert grpo.engines_tokens_per_s(totals, "actor_") == pytest.approx(160 / 3 + 300 / 4)
     assert totals["actor_gen_tokens"] == 460 and totals["actor_elapsed"] == 7.0
+    grpo.add_actor_totals(totals, [dict(stats(0, 500, 9.0, 0.0, 10.0), weight_loads=1, weight_apply_s=0.5)],
+                          loads_only=True)  # the last loads: no tokens, no seconds
+    assert (totals["actor_gen_tokens"], totals["actor_weight_loads"], totals["weight_loaded/0"]) == (460, 1, 1)
