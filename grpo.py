@@ -1477,8 +1477,8 @@ class Actor:
             elif next_update is not None and drain_t0 is None:  # draining: admit nothing until it loads
                 drain_t0 = time.perf_counter()
             if self.version is not None and next_update is None:
-                self._admit_ready()
-                if not self._loads_inflight():
+                startable_left = self._admit_ready()
+                if not self._loads_inflight() and self.waiting and not startable_left:
                     self._ask_for_weights()
             self._step_engine()
 
@@ -1508,11 +1508,10 @@ class Actor:
 
     def _ask_for_weights(self):
         """Departure (drained updates): an engine that must drain to load asks for new weights only when it
-        needs them, once every prompt it holds needs newer weights than its own (the version gate), so that it
-        drains about once per async_steps learner steps, not at every one, and then loads the latest
-        version. Learner 0 streams at its next step boundary (stream_now)."""
-        if self.wants is None and self.waiting and not any(admissible(p, self.version, self.release)
-                                                           for p in self.waiting):
+        needs them, once every prompt it holds needs newer weights than its own (the version gate; run() calls
+        this then), so that it drains about once per async_steps learner steps, not at every one, and then
+        loads the latest version. Learner 0 streams at its next step boundary (stream_now). Once per version."""
+        if self.wants is None:
             self.wants = self.version
             self.emit({"want_weights": self.version, "actor": self.actor_id})
 
@@ -1520,7 +1519,8 @@ class Actor:
         """Start the waiting prompts the version gate lets through (generation never runs more than
         async_steps policies ahead of the step that consumes it: admission_version). Continuous batching
         (Olmo 3 sec 4.4) keeps max_num_seqs plus one group of slack queued in vLLM; static batching admits a
-        whole batch only when the previous one has finished (what llm.generate does)."""
+        whole batch only when the previous one has finished (what llm.generate does). Returns how many
+        prompts the gate would let through are left waiting (no room for them now)."""
         ok = [p for p in self.waiting if admissible(p, self.version, self.release)]
         static, n = self.args.batching == "static", self.args.num_samples_per_prompt
         if static:
@@ -1528,13 +1528,14 @@ class Actor:
         else:
             batch = ok[:math.ceil(max(0, self.args.max_num_seqs + n - len(self.pending)) / n)]
         if not batch:
-            return
+            return len(ok)
         for p in batch:
             self._admit(p)
         taken = {id(p) for p in batch}
         self.waiting = [p for p in self.waiting if id(p) not in taken]
         if static:
             self.stats["static_batches"] += 1
+        return len(ok) - len(batch)
 
     def _step_engine(self):
         """One engine step (or a short sleep when nothing runs), with its occupancy and time."""

@@ -1078,6 +1078,14 @@ def test_colocated_trains_within_offpolicy_bound(toy_sft_model_dir, toy_data_dir
     assert summary["peak_flops"] == 1e12 and summary["peak_memory_bandwidth"] == 1e11
 
 
+def _rewarded_by_length(toy_data_dir, tmp_path):
+    """400 toy RL prompts scored by length (max_length against 0 words): every group has a gradient."""
+    rows = [json.loads(line) for line in open(os.path.join(toy_data_dir, "rlvr.jsonl"))][:400]
+    data = tmp_path / "by_length.jsonl"
+    data.write_text("".join(json.dumps({**r, "verifier": "max_length", "ground_truth": "0"}) + "\n" for r in rows))
+    return data
+
+
 @pytest.mark.slow
 def test_drained_updates_keep_the_lag_within_the_bound(toy_model_dir, toy_data_dir, tmp_path):
     """Drained updates make the engine deliver its groups in bursts (everything finishes before it loads),
@@ -1086,9 +1094,7 @@ def test_drained_updates_keep_the_lag_within_the_bound(toy_model_dir, toy_data_d
     off-policy bound instead of growing step after step (it reached 16 versions with --async_steps 4 in
     a 30-step bench run when the surplus counted as consumed). A reward by length gives every group a
     gradient, so each step takes exactly its prompts and the bound is exact."""
-    rows = [json.loads(line) for line in open(os.path.join(toy_data_dir, "rlvr.jsonl"))][:400]
-    data = tmp_path / "by_length.jsonl"
-    data.write_text("".join(json.dumps({**r, "verifier": "max_length", "ground_truth": "0"}) + "\n" for r in rows))
+    data = _rewarded_by_length(toy_data_dir, tmp_path)
     out = str(tmp_path / "run")
     steps, bound = 16, 1
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps), "--eval_every", "0",
@@ -1108,9 +1114,7 @@ def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_dat
     streams new weights only when the engine asks (every prompt it holds needs newer ones), when its weights
     reach the bound, and before the closing evaluation; not at every step. Every step still trains all its
     groups and the lag stays within the bound."""
-    rows = [json.loads(line) for line in open(os.path.join(toy_data_dir, "rlvr.jsonl"))][:400]
-    data = tmp_path / "by_length.jsonl"
-    data.write_text("".join(json.dumps({**r, "verifier": "max_length", "ground_truth": "0"}) + "\n" for r in rows))
+    data = _rewarded_by_length(toy_data_dir, tmp_path)
     out = str(tmp_path / "run")
     steps, bound = 12, 3
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps), "--eval_every",
@@ -1130,6 +1134,7 @@ def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_dat
     assert max(r["rollout/lag_max"] for r in train) <= bound, [r["rollout/lag_max"] for r in train]
     with open(os.path.join(out, "summary.json")) as f:
         assert json.load(f)["weight_updates"] == sum(streamed)
+
 
 def _descendants(pid: int) -> list[int]:
     children = {}
