@@ -140,6 +140,9 @@ class Args:
     eval_every: int = field(default=10, metadata={
         "aliases": ["--local_eval_every"],
         "help": "Evaluate every N steps, before the first and after the last (0: never)."})
+    logging_steps: int = field(default=1, metadata={
+        "help": "Print a step line every N learner steps and after the last (evaluations always); metrics.jsonl "
+                "and wandb get every step."})
     eval_num_samples: int = field(default=4, metadata={
         "help": "k: samples per eval prompt, for pass@1 (mean) and pass@k."})
     # model and data
@@ -170,7 +173,7 @@ class Args:
         "aliases": ["--num_samples_per_prompt_rollout"], "help": "Group size: completions per prompt (Olmo 3: 8)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (Olmo 3: 1.0)."})
     learning_rate: float = field(default=1e-6, metadata={
-        "help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4 with --lr_scheduler_type linear; 3e-4 degrades it)."})
+        "help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4, constant; 3e-4 degrades it)."})
     lr_scheduler_type: str = field(default="constant", metadata={
         "help": "'constant' or 'linear' decay to 0 (Olmo 3: constant)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
@@ -2605,6 +2608,7 @@ class MetricsLogger:
         os.makedirs(args.output_dir, exist_ok=True)  # append: a resumed run goes on with the same file
         self.file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if append else "w")
         self.wandb, self.k = None, args.eval_num_samples
+        self.every, self.last = max(1, args.logging_steps), args.num_training_steps
         if args.report_to == "wandb":
             import wandb
 
@@ -2620,6 +2624,8 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if kind != "eval" and step % self.every and step != self.last:
+            return
         g = metrics.get
         line = f"step {step}"
         if "rollout/reward" in metrics:
@@ -2712,9 +2718,12 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "mean_save_time_s": totals["save_time"] / steps,
         "eval_pass@1": [{"step": s, "pass@1": p} for s, p in eval_history],
     }
-    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+    path = os.path.join(args.output_dir, "summary.json")
+    with open(path, "w") as f:
         json.dump(summary, f, indent=1)
-    print("[grpo] summary: " + json.dumps({k: v for k, v in summary.items() if k != "args"}), flush=True)
+    print(f"[grpo] {summary['steps']} steps in {summary['wall_s']:.0f}s: {summary['generated_tokens_per_s']:.0f} "
+          f"generated and {summary['learner_tokens_per_s']:.0f} trained tokens/s, actor MFU {summary['actor_mfu']:.3f} "
+          f"MBU {summary['actor_mbu']:.3f} occupancy {summary['actor_occupancy']:.2f}; the rest in {path}", flush=True)
 
 
 def broadcast_list(obj, group, timeout_s, gather=False):

@@ -1460,6 +1460,22 @@ def test_final_model_goes_to_output_dir_in_hf_layout(toy_model_dir, tmp_path):
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=tol, rtol=tol)
 
 
+def test_metrics_logger_prints_every_logging_steps_and_records_every_step(tmp_path, capsys):
+    """--logging_steps N: the console gets a step line every N steps, after the last and at every evaluation;
+    metrics.jsonl gets every step."""
+    logger = grpo.MetricsLogger(grpo.Args(output_dir=str(tmp_path), logging_steps=3, num_training_steps=7))
+    logger.log(0, {"eval/pass@1": 0.25, "eval/pass@4": 0.5}, kind="eval")
+    for step in range(1, 8):
+        logger.log(step, {"train/loss": 0.1})
+    logger.log(7, {"eval/pass@1": 0.75, "eval/pass@4": 1.0}, kind="eval")
+    logger.close()
+    printed = [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["step 0", "step 3", "step 6", "step 7", "step 7"]
+    recorded = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    expected = [(0, "eval"), *((step, "train") for step in range(1, 8)), (7, "eval")]
+    assert [(r["step"], r["kind"]) for r in recorded] == expected
+
+
 def test_two_actors_rates_sum_over_engines_and_mfu_is_a_mean():
     """Two engines run side by side: the run generates the sum of their rates, not all tokens over the sum
     of their times (the per-engine mean); MFU is flops over (elapsed x peak) summed over engines."""
