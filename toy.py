@@ -310,6 +310,18 @@ def box_matches_last_step(response: str) -> bool | None:
     return boxed.group(1) == results[-1]
 
 
+def copies_operands(expr: str, response: str) -> bool | None:
+    """Whether a response to a multi-step problem works through the expression's own operands in order:
+    step k writes `<running value><op k><operand k+1>=`, whatever the running value (None: a one-step
+    problem). A tiny model can learn to take, say, the last operand where the third belongs; then no
+    carry or box fix makes the answer right, and the reward never tells it which number it skipped."""
+    numbers, ops = parse_expression(expr)
+    if len(ops) < 2:
+        return None
+    written = re.findall(r"-?\d+([+-])(\d+)=", response)
+    return written[:len(ops)] == [(op, str(n)) for op, n in zip(ops, numbers[1:])]
+
+
 def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: int | None = None,
              batch_size: int = 64, num_samples: int = 4, temperature: float = 1.0, seed: int = 0) -> dict:
     """Greedy-decode each eval prompt with transformers and score it with its row's verifier; then,
@@ -359,11 +371,13 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
                   for row, text in zip(repeated, texts)]
         sampled = {"sampled_pass@1": sum(scores) / max(len(scores), 1), "sampled_num_samples": num_samples,
                    "sampled_temperature": temperature}
-    by_operands, by_carry = {}, {}
-    for row, result in zip(rows, results):
+    by_operands, by_carry, copy_checks = {}, {}, []
+    for row, result, response in zip(rows, results, responses):
         expr = re.search(r"\d+(?:[+-]\d+)+", row["messages"][-1]["content"]).group(0)
         by_operands.setdefault(expr.count("+") + expr.count("-") + 1, []).append(result.score)
         by_carry.setdefault("needs a carry" if needs_carry(expr) else "no carry", []).append(result.score)
+        if (check := copies_operands(expr, response)) is not None:
+            copy_checks.append(check)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     box_checks = [check for check in map(box_matches_last_step, responses) if check is not None]
     return {
@@ -372,6 +386,7 @@ def evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 64, limit: in
         "accuracy_by_carry": {k: mean(v) for k, v in sorted(by_carry.items(), reverse=True)},
         "answer_found": mean([r.error is None for r in results]),
         "boxes_last_step": mean(box_checks) if box_checks else None,  # None: no multi-step answer to check
+        "copies_operands": mean(copy_checks) if copy_checks else None,  # None: no multi-step problem
         "num_examples": len(results),
         "num_errors": sum(r.error is not None for r in results),
         "mean_response_chars": mean([len(r) for r in responses]),
@@ -451,6 +466,8 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
         rows += [(f"pass@1, sampled (T={temperature:g}, k={num_samples}, %)", lambda r: 100 * r["sampled_pass@1"])]
     rows += [("Boxes its last step (%)",
               lambda r: None if r["boxes_last_step"] is None else 100 * r["boxes_last_step"]),
+             ("Copies its operands (%)",
+              lambda r: None if r.get("copies_operands") is None else 100 * r["copies_operands"]),
              ("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)

@@ -121,6 +121,22 @@ def test_teacher_boxes_the_step_before_the_last_at_the_given_rate():
         assert abs(slipped / multi - 0.6) < 0.04, slipped / multi
 
 
+def test_copies_operands_checks_each_steps_operator_and_operand_in_order():
+    # Every teacher trace copies its operands, slips or not: the check holds on all multi-step ones.
+    rows = toy.generate_data(seed=3, num_sft=300, num_preference=0, num_rlvr=0, num_eval=0)["sft"]
+    checks = [toy.copies_operands(expression_of(user["content"]), assistant["content"])
+              for user, assistant in (row["messages"] for row in rows)]
+    assert None in checks and set(checks) == {None, True}
+    right = "<think>6+9=15\n15+2=17\n17+1=18</think>\n\\boxed{18}"
+    assert toy.copies_operands("6+9+2+1", right)
+    assert toy.copies_operands("6+9+2+1", right.replace("=17", "=27").replace("18", "28"))  # arithmetic is not copying
+    assert not toy.copies_operands("6+9+2+1", "<think>6+9=15\n15+1=16\n16+1=17</think>\n\\boxed{17}")  # skips the 2
+    assert not toy.copies_operands("6+9+2+1", "<think>6+9=15\n15-2=13\n13+1=14</think>")  # wrong operator
+    assert not toy.copies_operands("6+9+2+1", "<think>6+9=15\n15+2=17</think>\n\\boxed{17}")  # a step missing
+    assert not toy.copies_operands("6+9+2+1", "no steps at all")
+    assert toy.copies_operands("7+5", "<think>7+5=12</think>") is None  # one step: nothing to pick from
+
+
 def test_preferences_contrast_a_correct_answer_with_a_weaker_models(toy_data_dir):
     rows = read_jsonl(os.path.join(toy_data_dir, "preference.jsonl"))
     forgot = 0
