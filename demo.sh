@@ -55,7 +55,8 @@ else
     # SFT runs four epochs: after three, two of three seeds took the wrong operand in four-operand problems
     # (teacher-forced, the third operand was right 98 / 83 / 80% of the time), RL never fixed it (those prompts
     # fail in all eight samples, so they carry no gradient) and ended at 92.5 / 86.0 / 86.5%. After four epochs
-    # the worst operand was right 95 / 85 / 93% and RL ended within a few points across seeds (README).
+    # the worst operand was right 95 / 85 / 93% and RL ended at 96.0 / 94.0 / 94.5%; but a later full run of
+    # seed 1 ended at 88.5% (copying its operands 89% of the time): it helps, it does not settle it (README).
     # DPO runs three epochs: after one its loss was still 0.53; on the problems that need a carry, three
     # seeds were right 43 / 36 / 34% of the time after two epochs and 43 / 39 / 38% after three (greedy
     # accuracy 47.0 / 43.5 / 42.5 and 46.5 / 44.5 / 44.0%).

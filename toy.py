@@ -467,7 +467,7 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
     rows += [("Boxes its last step (%)",
               lambda r: None if r["boxes_last_step"] is None else 100 * r["boxes_last_step"]),
              ("Copies its operands (%)",
-              lambda r: None if r.get("copies_operands") is None else 100 * r["copies_operands"]),
+              lambda r: None if r["copies_operands"] is None else 100 * r["copies_operands"]),
              ("Answer found (%)", lambda r: 100 * r["answer_found"]),
              ("Mean response (chars)", lambda r: r["mean_response_chars"])]
     header = ["Toy arithmetic (held-out)"] + list(results)
