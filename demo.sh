@@ -19,12 +19,11 @@
 #
 # DEMO_SHORT=1 shrinks every stage to a smoke run (the test suite uses it); the numbers are then
 # meaningless. Budget on two idle CPU cores: 21 to 26 minutes on a machine where an SFT step takes
-# 0.3 s (SFT 5.5, DPO 2.3, RL 12 to 17, evaluation 0.8), 37 to 46 where it takes 0.66 s (SFT 10,
-# DPO 4, RL 23 to 25). RL takes longer the better it gets: active sampling drops the prompts it solves
-# every time and draws more to fill each step. The table's carry
-# and box rows show what each stage fixed (DPO the carry, RL the box), its copies row whether the steps take
-# the expression's operands in order; its sampled pass@1 row is the quantity RL optimizes (grpo.py's
-# eval/pass@1 at T=1).
+# 0.3 s (SFT 5.5, DPO 2.3, RL 12 to 17, evaluation 0.8), 37 to 46 where it takes 0.66 s (SFT 9 to 12,
+# DPO 4 to 5, RL 23 to 25). RL takes longer the better it gets: active sampling drops the prompts it
+# solves every time and draws more to fill each step. The table's carry and box rows show what each stage
+# fixed (DPO the carry, RL the box), its copies row whether the steps take the expression's operands in
+# order; its sampled pass@1 row is the quantity RL optimizes (grpo.py's eval/pass@1 at T=1).
 set -euo pipefail
 cd "$(dirname "$0")"
 
