@@ -18,12 +18,13 @@
 #      prints a table in the style of the report's Table 26, plus the loss and reward curves.
 #
 # DEMO_SHORT=1 shrinks every stage to a smoke run (the test suite uses it); the numbers are then
-# meaningless. Budget on two idle CPU cores: 21 to 26 minutes on a machine where an SFT step takes
-# 0.3 s (SFT 5.5, DPO 2.3, RL 12 to 17, evaluation 0.8), 37 to 46 where it takes 0.66 s (SFT 9 to 12,
-# DPO 4 to 5, RL 23 to 25). RL takes longer the better it gets: active sampling drops the prompts it
-# solves every time and draws more to fill each step. The table's carry and box rows show what each stage
-# fixed (DPO the carry, RL the box), its copies row whether the steps take the expression's operands in
-# order; its sampled pass@1 row is the quantity RL optimizes (grpo.py's eval/pass@1 at T=1).
+# meaningless. Budget on two idle CPU cores where an SFT step takes 0.6 s: 33 minutes measured (SFT 10 to 16,
+# DPO 4.7, RL 8 to 11, evaluation 1.9); where a step takes 0.3 s, SFT took 5.5 and DPO 2.3 minutes, which
+# scales to 14 to 17 minutes for the whole demo (README). RL takes longer the better it gets: active
+# sampling drops the prompts it solves every time and draws more to fill each step. The table's carry and
+# box rows show what each stage fixed (DPO the carry, RL the box), its copies row whether the steps take the
+# expression's operands in order; its sampled pass@1 row is the quantity RL optimizes (grpo.py's eval/pass@1
+# at T=1).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -50,7 +51,7 @@ if [ "$SHORT" = 1 ]; then
     SFT_ARGS=(--max_steps 4) DPO_ARGS=(--max_steps 3) RL_ARGS=(--num_training_steps 2 --eval_every 0)
     DATA_ARGS=(--num_sft 256 --num_preference 128 --num_rlvr 256 --num_eval 32)
 else
-    # a metrics line every 200 SFT steps (of 1000), every 125 DPO steps (of 375) and every 10 RL steps (of 80);
+    # a metrics line every 200 SFT steps (of 1000), every 125 DPO steps (of 375) and every 10 RL steps (of 40);
     # the bars run in between.
     # SFT runs four epochs: after three, two of three seeds took the wrong operand in four-operand problems
     # (teacher-forced, the third operand was right 98 / 83 / 80% of the time), RL never fixed it (those prompts
@@ -60,12 +61,13 @@ else
     # DPO runs three epochs: after one its loss was still 0.53; on the problems that need a carry, three
     # seeds were right 43 / 36 / 34% of the time after two epochs and 43 / 39 / 38% after three (greedy
     # accuracy 47.0 / 43.5 / 42.5 and 46.5 / 44.5 / 44.0%).
-    # RL: 16 prompts x 8 samples a step for 80 steps at a constant lr (Olmo 3's schedule). With 8 prompts, a
-    # linearly decaying lr and 50 steps, three seeds ended at 92.5 / 77.0 / 72.5% greedy: some runs had not
-    # yet fixed the box slip when the lr reached 0; this budget ended at 91.5 / 90.5 / 87.5% from the same
-    # two-epoch DPO models (README: how the budget was chosen).
+    # RL: 16 prompts x 8 samples a step for 40 steps at a constant lr (Olmo 3's schedule). From the same DPO
+    # models, 40 steps ended at 90.5 / 88.0 / 89.5% greedy and 80 steps at 94.5 / 90.0 / 93.5%, but steps 41-80
+    # took 69-73% of RL's time: the better the model, the more prompts active sampling draws to fill a step with
+    # groups that are not all solved. With 8 prompts, a linearly decaying lr and 50 steps, three seeds ended
+    # at 92.5 / 77.0 / 72.5%: some runs had not yet fixed the box slip when the lr reached 0 (README).
     SFT_ARGS=(--num_train_epochs 4 --logging_steps 200) DPO_ARGS=(--num_train_epochs 3 --logging_steps 125)
-    RL_ARGS=(--num_training_steps 80 --eval_every 40 --logging_steps 10)
+    RL_ARGS=(--num_training_steps 40 --eval_every 20 --logging_steps 10)
     DATA_ARGS=()
 fi
 
