@@ -18,13 +18,13 @@
 #      prints a table in the style of the report's Table 26, plus the loss and reward curves.
 #
 # DEMO_SHORT=1 shrinks every stage to a smoke run (the test suite uses it); the numbers are then
-# meaningless. Budget on two idle CPU cores where an SFT step takes 0.6 s: 33 minutes measured (SFT 10 to 16,
-# DPO 4.7, RL 8 to 11, evaluation 1.9); where a step takes 0.3 s, SFT took 5.5 and DPO 2.3 minutes, which
-# scales to 14 to 17 minutes for the whole demo (README). RL takes longer the better it gets: active
-# sampling drops the prompts it solves every time and draws more to fill each step. The table's carry and
-# box rows show what each stage fixed (DPO the carry, RL the box), its copies row whether the steps take the
-# expression's operands in order; its sampled pass@1 row is the quantity RL optimizes (grpo.py's eval/pass@1
-# at T=1).
+# meaningless. Budget on two idle CPU cores where an SFT step takes 0.6 s: 25 to 33 minutes in three runs
+# (SFT 10 to 16, DPO 4.3 to 4.9, RL 7.4 to 10.2, evaluation 1.6 to 1.9); where a step takes 0.3 s, SFT took
+# 5.5 and DPO 2.3 minutes, which scales to 13 to 17 minutes for the whole demo (README). RL takes longer the
+# better it gets: active sampling drops the prompts it solves every time and draws more to fill each step.
+# The table's carry and box rows show what each stage fixed (DPO the carry, RL the box), its copies row
+# whether the steps take the expression's operands in order; its sampled pass@1 row is the quantity RL
+# optimizes (grpo.py's eval/pass@1 at T=1).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -62,7 +62,7 @@ else
     # seeds were right 43 / 36 / 34% of the time after two epochs and 43 / 39 / 38% after three (greedy
     # accuracy 47.0 / 43.5 / 42.5 and 46.5 / 44.5 / 44.0%).
     # RL: 16 prompts x 8 samples a step for 40 steps at a constant lr (Olmo 3's schedule). From the same DPO
-    # models, 40 steps ended at 90.5 / 88.0 / 89.5% greedy and 80 steps at 94.5 / 90.0 / 93.5%, but steps 41-80
+    # models, 40 steps ended at 91.0 / 88.0 / 91.5% greedy and 80 steps at 94.5 / 90.0 / 93.5%, but steps 41-80
     # took 69-73% of RL's time: the better the model, the more prompts active sampling draws to fill a step with
     # groups that are not all solved. With 8 prompts, a linearly decaying lr and 50 steps, three seeds ended
     # at 92.5 / 77.0 / 72.5%: some runs had not yet fixed the box slip when the lr reached 0 (README).
