@@ -55,17 +55,18 @@ else
     # the bars run in between.
     # SFT runs four epochs: after three, two of three seeds took the wrong operand in four-operand problems
     # (teacher-forced, the third operand was right 98 / 83 / 80% of the time), RL never fixed it (those prompts
-    # fail in all eight samples, so they carry no gradient) and ended at 92.5 / 86.0 / 86.5%. After four epochs
-    # the worst operand was right 95 / 85 / 93% and RL ended at 96.0 / 94.0 / 94.5%; but a later full run of
-    # seed 1 ended at 88.5% (copying its operands 89% of the time): it helps, it does not settle it (README).
+    # fail in all eight samples, so they carry no gradient) and ended at 92.5 / 86.0 / 86.5% (80 RL steps, as
+    # the demo ran then). After four epochs the worst operand was right 95 / 85 / 93% and RL ended at
+    # 96.0 / 94.0 / 94.5%; but a later full run of seed 1 ended at 88.5% (copying its operands 89% of the time):
+    # it helps, it does not settle it (README).
     # DPO runs three epochs: after one its loss was still 0.53; on the problems that need a carry, three
     # seeds were right 43 / 36 / 34% of the time after two epochs and 43 / 39 / 38% after three (greedy
     # accuracy 47.0 / 43.5 / 42.5 and 46.5 / 44.5 / 44.0%).
     # RL: 16 prompts x 8 samples a step for 40 steps at a constant lr (Olmo 3's schedule). From the same DPO
     # models, 40 steps ended at 91.0 / 88.0 / 91.5% greedy and 80 steps at 94.5 / 90.0 / 93.5%, but steps 41-80
-    # took 69-73% of RL's time: the better the model, the more prompts active sampling draws to fill a step with
-    # groups that are not all solved. With 8 prompts, a linearly decaying lr and 50 steps, three seeds ended
-    # at 92.5 / 77.0 / 72.5%: some runs had not yet fixed the box slip when the lr reached 0 (README).
+    # took 69-73% of RL's time (see the budget above). With 8 prompts, a linearly decaying lr and 50 steps,
+    # three seeds ended at 92.5 / 77.0 / 72.5%: some runs had not yet fixed the box slip when the lr reached 0
+    # (README).
     SFT_ARGS=(--num_train_epochs 4 --logging_steps 200) DPO_ARGS=(--num_train_epochs 3 --logging_steps 125)
     RL_ARGS=(--num_training_steps 40 --eval_every 20 --logging_steps 10)
     DATA_ARGS=()
