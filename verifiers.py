@@ -11,8 +11,9 @@ Verifiers (`VERIFIERS`, name -> plain function `(response, label) -> score or Ve
                   number. Equivalence by math-verify (fractions, decimals, LaTeX, sets, intervals,
                   tuples, matrices, expressions). Label: the answer ("42", "\\frac{1}{2}",
                   "$x^2$", "\\boxed{3}"), or a list of acceptable answers.
-  gsm8k           last number of the response, thousands separators removed, numeric equality.
-                  Label: a number ("1234", "#### 1,234").
+  gsm8k           last number of the response, thousands separators removed, exact rational
+                  equality (42 = 42.0 = 84/2; 2,000,001 is not 2,000,000). Label: a number ("1234",
+                  "#### 1,234"), or a list of acceptable ones.
   ifeval          the 54 instruction types of open-instruct's IFEvalG (IFEval's 25, Zhou et al.
                   2023, plus copy:*, count:*, first_word:*, ...), strict mode as its RL reward has
                   it. Label {"instruction_id_list": [...], "kwargs": [{...}, ...]} (also
@@ -47,13 +48,17 @@ Errors are never a silent 0: the trainer counts them (`VerifierPool.error_counts
 sample. Reasons: "no_answer" and "syntax_error" (nothing gradable came out: `ANSWER_ERRORS`, which a
 trainer may prefer to score 0 rather than drop), "timeout", "worker_died", "bad_label",
 "unknown_verifier", "judge_unavailable", "judge_bad_output", "judge_bad_request",
-"sandbox_error", "sandbox_unavailable", "exception:<Type>".
+"sandbox_error", "sandbox_unavailable", "exception:<Type>". "bad_label" covers every label no response
+could match (not a number where one is due, an empty list, JSON nested past Python's recursion limit).
 
 Timeouts. SIGALRM only works in the main thread (a pool of threads never times out), and math-verify's own timeout is
 SIGALRM-based and, worse, returns False on timeout. So: `verify()` uses math-verify's timeout only
-when it runs in the main thread with no alarm of the caller's pending, and reports it as "timeout";
-the hard guarantee is `VerifierPool`, a process pool whose workers are killed and replaced when a
-row runs past `timeout` (C-level work such as a huge sympy power cannot be interrupted any other way).
+when it runs in the main thread with no alarm of the caller's pending, and reports it as "timeout"
+(`math_timeout`, 5 s, bounds a row's whole math-verify work, however many answers its label lists);
+elsewhere answers sympy could compute on for minutes (powers of powers, huge exponents and factorials)
+are compared as text. The hard guarantee is `VerifierPool`, a process pool whose workers are killed and
+replaced when a row runs past `timeout` (C-level work such as a huge sympy power cannot be interrupted any
+other way).
 
 Sandbox (code, code_stdio). Each run starts in new pid, network, mount, ipc and uts namespaces
 (util-linux `unshare`): mode "namespace" when root (the program runs as a spare unprivileged uid),
@@ -107,6 +112,7 @@ import collections
 import concurrent.futures
 import ctypes
 import dataclasses
+import fractions
 import inspect
 import json
 import logging
@@ -155,6 +161,11 @@ def caused_by_response(error: str | None) -> bool:
     return error is not None and (error in RESPONSE_ERRORS or error.startswith("exception:"))
 
 
+class LabelError(ValueError):
+    """A label no response can be scored against: `verify` reports it as "bad_label" (the data's fault, so
+    the sample is dropped and counted), not as an exception the response caused (scored 0)."""
+
+
 def _fail(error: str, extracted: str | None = None, **details) -> VerifierResult:
     return VerifierResult(0.0, error, extracted, details=details or None)
 
@@ -190,7 +201,7 @@ def _maybe_json(label: Any) -> Any:
     if isinstance(label, str) and label.strip()[:1] in ("[", "{", '"'):
         try:
             return json.loads(label)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the recursion limit: not a label we can read
             return label
     return label
 
@@ -211,7 +222,7 @@ def _answers(label: Any) -> list:
     if isinstance(label, str) and label.lstrip().startswith("["):
         try:
             decoded = json.loads(label)
-        except ValueError:
+        except (ValueError, RecursionError):
             decoded = None
         if isinstance(decoded, list) and decoded and all(isinstance(g, str) for g in decoded):
             return decoded
@@ -221,7 +232,14 @@ def _answers(label: Any) -> list:
 # ---------------------------------------------------------------------------------------------
 # math and gsm8k
 
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# A number as models write one: thousands separators, decimals, a fraction; the sign may be U+2212, the
+# typographic minus (dropping it would turn "\u22125" into a correct "5").
+_NUMBER = re.compile(r"[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+")
+
+
+def _plain_number(text: str) -> str:
+    """A `_NUMBER` match without its thousands separators, with an ASCII minus."""
+    return text.replace(",", "").replace("\u2212", "-")
 
 
 def last_boxed(text: str) -> str | None:
@@ -270,7 +288,7 @@ def extract_math_answer(response: str) -> str | None:
             if ans:
                 return ans
     numbers = _NUMBER.findall(text)
-    return numbers[-1].replace(",", "") if numbers else None
+    return _plain_number(numbers[-1]) if numbers else None
 
 
 def _signal_timeout_ok() -> bool:
@@ -288,6 +306,52 @@ def _signal_timeout_ok() -> bool:
 _SYMPY_UNSAFE = re.compile(r"(?:\^|\*\*)\s*+(?:\{\s*+)?[-+(\s]*+\d{4}"  # a 4+ digit exponent
                            r"|(?:\^|\*\*)\s*+\{[^{}^*]*+(?:\*(?!\*)[^{}^*]*+)*+(?:\^|\*\*)"  # a power in an exponent
                            r"|(?<!\d)\d{4,}+\s*+!")  # the factorial of a 4+ digit number
+_POWER_OR_BINOMIAL = re.compile(r"\^|\*\*|\\[dt]?binom|\\choose")
+_HUGE_IN_EXPONENT = re.compile(r"\^|\*\*|!|\d{4}")  # a power, a factorial or 4+ digits make a number huge
+_HUGE_IN_BINOMIAL = re.compile(r"\^|\*\*|!|\d{6}")
+
+
+def _exponent(text: str) -> str | None:
+    """The exponent at the start of `text`: the inside of a braced or parenthesized group, or a bare token;
+    None when the group does not close within `text`."""
+    text = text.lstrip()
+    if text[:1] not in ("{", "("):
+        return re.match(r"[\w.!]*", text).group()
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "{(":
+            depth += 1
+        elif ch in "})":
+            depth -= 1
+            if depth == 0:
+                return text[1:i]
+    return None
+
+
+def _sympy_unsafe(answer: str, window: int = 200) -> bool:
+    """Whether sympy might compute for minutes on this answer: what _SYMPY_UNSAFE finds, and any power whose
+    exponent (braced, in parentheses or bare: `9^(9^9)`, `9^{\\frac{9^9}{1}}`, `9^{9!!}`) holds a power, a
+    factorial or a 4+ digit number, and a binomial followed by one of those or a 6+ digit number. Linear: each
+    of at most 200 powers reads `window` characters ahead (an exponent longer than that is unsafe, and so
+    are more powers)."""
+    if _SYMPY_UNSAFE.search(answer):
+        return True
+    for n, m in enumerate(_POWER_OR_BINOMIAL.finditer(answer)):
+        ahead = answer[m.end():m.end() + window]
+        if n == 200:
+            return True
+        if m.group().endswith(("binom", "choose")):
+            if _HUGE_IN_BINOMIAL.search(ahead):
+                return True
+            continue
+        exponent = _exponent(ahead)
+        if exponent is None or _HUGE_IN_EXPONENT.search(exponent):
+            return True
+    return False
+
+
+# Full-width forms (U+FF01-FF5E: "４２", "ｘ") read as their ASCII characters; NFKC would also turn x² into x2.
+_FULL_WIDTH_TO_ASCII = {c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F)}
 
 
 def _math_norm(s: str) -> str:
@@ -308,13 +372,26 @@ def math(response: str, label: Any, math_timeout: int = 5) -> VerifierResult:
     pred = extract_math_answer(response)
     if pred is None:
         return _fail("no_answer")
+    pred = pred.translate(_FULL_WIDTH_TO_ASCII)
     t = int(math_timeout) if _signal_timeout_ok() and math_timeout else None
+    # math_timeout bounds the row, not each math-verify call (a label with ten answers made ten calls)
+    deadline = time.monotonic() + t if t else None
+
+    def seconds_left() -> int | None:
+        """The whole seconds (math-verify's timeouts are SIGALRM's) left of math_timeout; None: no timeout."""
+        if deadline is None:
+            return None
+        left = pymath.ceil(deadline - time.monotonic())
+        if left <= 0:  # 0 would switch math-verify's timeout off
+            raise TimeoutException("math_timeout spent")
+        return left
+
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     # '["1/2", "0.5"]': several acceptable answers; "[1, 2]" stays an interval
     golds = [g for g in _answers(label) if g is not None and str(g).strip()]
-    if not golds:
+    if not golds or any(isinstance(g, dict) for g in golds):  # a dict is no answer (a label of another verifier)
         return _fail("bad_label", pred)
-    if t is None and _SYMPY_UNSAFE.search(pred):
+    if t is None and _sympy_unsafe(pred):
         golds = [_strip_math_delims(last_boxed(str(g)) or str(g)) for g in golds]
         return VerifierResult(float(any(_math_norm(g) == _math_norm(pred) for g in golds)), None, pred,
                               details={"compared": "string (unsafe for sympy without a timeout)"})
@@ -328,10 +405,10 @@ def math(response: str, label: Any, math_timeout: int = 5) -> VerifierResult:
         gold = str(gold)
         gold = _strip_math_delims(last_boxed(gold) or gold)
         try:
-            gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=t,
+            gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=seconds_left(),
                                 raise_on_error=True)
             # raise_on_error: math-verify otherwise scores a timeout as a silent False.
-            if pred_parsed and gold_parsed and mv_verify(gold_parsed, pred_parsed, timeout_seconds=t,
+            if pred_parsed and gold_parsed and mv_verify(gold_parsed, pred_parsed, timeout_seconds=seconds_left(),
                                                          raise_on_error=True):
                 return VerifierResult(1.0, None, pred)
         except TimeoutException:
@@ -343,19 +420,20 @@ def math(response: str, label: Any, math_timeout: int = 5) -> VerifierResult:
     return VerifierResult(0.0, None, pred)
 
 
-def _to_number(s: str) -> float | None:
-    s = s.replace(",", "").strip()
+def _exact_number(s: str) -> fractions.Fraction | None:
+    """A `_NUMBER` match as an exact rational (no float rounding: 2,000,001 is not 2,000,000); None when it
+    has none (a zero denominator, or more digits than Python converts)."""
+    num, _, den = _plain_number(s).partition("/")
     try:
-        if "/" in s:
-            num, den = s.split("/", 1)
-            return float(num) / float(den)
-        return float(s)
+        return fractions.Fraction(num) / fractions.Fraction(den or 1)
     except (ValueError, ZeroDivisionError):
         return None
 
 
 def gsm8k(response: str, label: Any) -> VerifierResult:
-    """Last number in the response equals the label (thousands separators removed).
+    """The last number in the response equals the label's (its last number) exactly as a rational: thousands
+    separators removed, 42 = 42.0, a list label accepts any of its answers. open-instruct compares the two
+    strings, so that "42.0" fails against "42".
 
     >>> gsm8k("12 + 30 = 42, so she has 1,234 apples.", "1234").score
     1.0
@@ -363,14 +441,15 @@ def gsm8k(response: str, label: Any) -> VerifierResult:
     numbers = _NUMBER.findall(strip_think(response))
     if not numbers:
         return _fail("no_answer")
-    pred = numbers[-1].replace(",", "")
-    gold_numbers = _NUMBER.findall(str(label))
-    if not gold_numbers:
+    pred = _plain_number(numbers[-1])
+    golds = [g for g in (_NUMBER.findall(str(a)) for a in _answers(label) if a is not None) if g]
+    golds = [_exact_number(g[-1]) for g in golds]
+    if not golds or None in golds:
         return _fail("bad_label", pred)
-    a, b = _to_number(pred), _to_number(gold_numbers[-1])
-    if a is None or b is None:
+    value = _exact_number(pred)
+    if value is None:  # more digits than Python converts (4,300): longer than any label here
         return VerifierResult(0.0, None, pred)
-    return VerifierResult(float(abs(a - b) <= 1e-6 * max(1.0, abs(b))), None, pred)
+    return VerifierResult(float(value in golds), None, pred)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1116,7 +1195,7 @@ def _parse_literal(label: Any) -> Any:
         return label
     try:
         return json.loads(label)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     try:
         return ast.literal_eval(label.strip())
@@ -1176,7 +1255,8 @@ def ifeval(response: str, label: Any) -> VerifierResult:
             return _fail("bad_label", message=f"unknown instruction {inst_id}")
         try:
             followed.append(bool(check(text, **kwargs)))
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, re.error) as e:  # malformed kwargs
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError,
+                re.error) as e:  # malformed kwargs
             return _fail("bad_label", message=f"{inst_id}: {e}"[:200])
     details = {"followed": dict(zip((i for i, _ in instructions), followed))}
     return VerifierResult(sum(followed) / len(followed), None, None, details=details)
@@ -1186,10 +1266,19 @@ def ifeval(response: str, label: Any) -> VerifierResult:
 # string_match, string_f1, max_length
 
 
+_DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
 def normalize_answer(s: str) -> str:
     """SQuAD normalization: lower case, no punctuation, no articles, single spaces."""
-    s = "".join(ch for ch in str(s).lower() if ch not in set(string.punctuation))
+    s = str(s).lower().translate(_DROP_PUNCTUATION)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+def _text_golds(label: Any) -> list[str]:
+    """The normalized answers of a string_match / string_f1 label; none that normalizes to nothing (a None,
+    an empty string or list: a bad label, never an answer that "none" or an empty response would match)."""
+    return [g for g in (normalize_answer(a) for a in _answers(label) if a is not None) if g]
 
 
 def _short_answer(response: str) -> str:
@@ -1208,18 +1297,20 @@ def string_match(response: str, label: Any) -> VerifierResult:
     >>> string_match("<answer>The Eiffel Tower!</answer>", ["eiffel tower", "tour eiffel"]).score
     1.0
     """
-    pred = normalize_answer(_short_answer(response))
+    pred, golds = normalize_answer(_short_answer(response)), _text_golds(label)
+    if not golds:
+        return _fail("bad_label", pred)
     if not pred:
         return _fail("no_answer")
-    return VerifierResult(float(any(pred == normalize_answer(g) for g in _answers(label))), None, pred)
+    return VerifierResult(float(pred in golds), None, pred)
 
 
-def _f1(pred: str, gold: str) -> float:
-    p, g = normalize_answer(pred).split(), normalize_answer(gold).split()
-    common = sum((collections.Counter(p) & collections.Counter(g)).values())
+def _f1(pred: collections.Counter, gold: collections.Counter) -> float:
+    """Token F1 of two bags of normalized words."""
+    common = sum((pred & gold).values())
     if common == 0:
         return 0.0
-    precision, recall = common / len(p), common / len(g)
+    precision, recall = common / sum(pred.values()), common / sum(gold.values())
     return 2 * precision * recall / (precision + recall)
 
 
@@ -1229,19 +1320,27 @@ def string_f1(response: str, label: Any) -> VerifierResult:
     >>> round(string_f1("the big red dog", "red dog").score, 3)
     0.8
     """
-    pred = _short_answer(response)
-    if not normalize_answer(pred):
+    pred, golds = _short_answer(response), _text_golds(label)
+    if not golds:
+        return _fail("bad_label", pred[:200])
+    words = collections.Counter(normalize_answer(pred).split())  # once, not once per label
+    if not words:
         return _fail("no_answer")
-    return VerifierResult(max(_f1(pred, str(g)) for g in _answers(label)), None, pred[:200])
+    return VerifierResult(max(_f1(words, collections.Counter(g.split())) for g in golds), None, pred[:200])
 
 
 def _length_and_target(response: str, label: Any, num_tokens: int | None) -> tuple[int, float, float]:
     label = _maybe_json(label)
     scale = 8192.0  # open-instruct's max_length_verifier_max_length
-    if isinstance(label, dict):
-        scale = float(label.get("scale", scale))
-        label = label.get("max_length")
-    target = float(label)
+    try:
+        if isinstance(label, dict):
+            scale = float(label.get("scale", scale))
+            label = label.get("max_length")
+        target = float(label)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise LabelError(f"max_length label {str(label)[:100]!r} is not a number") from e
+    if not (pymath.isfinite(target) and pymath.isfinite(scale) and scale > 0):
+        raise LabelError(f"max_length label: length {target} and scale {scale} must be finite, scale > 0")
     length = int(num_tokens) if num_tokens is not None else len(strip_think(response).split())
     return length, target, scale
 
@@ -2466,7 +2565,10 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
 def _stdio_tests(label: Any) -> list[tuple[str, str]]:
     label = _maybe_json(label)
     if isinstance(label, dict) and "inputs" in label:  # LiveCodeBench / APPS style
-        label = [{"input": i, "output": o} for i, o in zip(label["inputs"], label["outputs"])]
+        inputs, outputs = label["inputs"], label.get("outputs")
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+            return []  # a bad label (code_stdio says so)
+        label = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
     tests = []
     for t in label if isinstance(label, list) else []:
         t = _maybe_json(t)
@@ -2642,6 +2744,8 @@ def verify(name: str, response: str, label: Any, **kwargs) -> VerifierResult:
             out = fn("" if response is None else str(response), label,
                      **{k: v for k, v in kwargs.items() if k in accepted})
             result = out if isinstance(out, VerifierResult) else VerifierResult(float(out))
+        except LabelError as e:
+            result = _fail("bad_label", message=str(e)[:200])
         except (Exception, RecursionError) as e:  # label or response of a shape nobody expected
             result = _fail(f"exception:{type(e).__name__}", message=str(e)[:200])
     if not isinstance(result.score, (int, float)) or not pymath.isfinite(result.score):
@@ -2696,7 +2800,7 @@ def row_problem(verifier: Any, label: Any) -> str | None:
         parts = _split_row(verifier, label)
     except (ValueError, TypeError) as e:
         return f"labels do not match the verifiers: {e}"
-    unknown = sorted({str(name) for name, _ in parts if _canonical(name) not in VERIFIERS})
+    unknown = sorted({str(name)[:100] for name, _ in parts if _canonical(name) not in VERIFIERS})
     if unknown:
         return f"unknown verifier {', '.join(map(repr, unknown))} (known: {', '.join(sorted(VERIFIERS))})"
     for name, part in parts:

@@ -114,14 +114,20 @@ def test_math_off_the_main_thread_works():
     assert out["r"].score == 1.0 and out["r"].error is None
 
 
-def test_math_verify_timeout_is_an_error_not_a_silent_zero():
-    # In a clean main thread math-verify's own alarm fires; math-verify would return False, we say "timeout".
-    code = ("import verifiers, json; r = verifiers.verify('math', '\\\\boxed{(x+1)^{100000}}', '7', math_timeout=1);"
-            "print(json.dumps([r.score, r.error]))")
+def verify_in_a_fresh_main_thread(args: str) -> tuple[list, float]:
+    """[score, error] of `verifiers.verify(<args>)` in a new interpreter's main thread (where math-verify's
+    SIGALRM timeout works and no test runner's alarm is pending), and the seconds it all took."""
+    code = f"import verifiers, json; r = verifiers.verify({args}); print(json.dumps([r.score, r.error]))"
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0.0, "timeout"], out.stderr[-2000:]
-    assert time.time() - t0 < 60
+    assert out.stdout.strip(), out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), time.time() - t0
+
+
+def test_math_verify_timeout_is_an_error_not_a_silent_zero():
+    # In a clean main thread math-verify's own alarm fires; math-verify would return False, we say "timeout".
+    result, seconds = verify_in_a_fresh_main_thread("'math', '\\\\boxed{(x+1)^{100000}}', '7', math_timeout=1")
+    assert result == [0.0, "timeout"] and seconds < 60
 
 
 def test_pool_timeout_works_off_the_main_thread():
@@ -159,10 +165,81 @@ def test_pool_timeout_works_off_the_main_thread():
     ("<think>42</think>", "42", 0.0, "no_answer"),
     ("", "42", 0.0, "no_answer"),
     ("42", "not a number", 0.0, "bad_label"),
+    # exact: a float tolerance scored these wrong answers 1
+    ("total 2,000,001", "2,000,000", 0.0, None), ("123456700", "123456789", 0.0, None),
+    ("0.000002", "0.000001", 0.0, None), ("0.0000005", "0", 0.0, None),
+    ("x " + "9" * 400, "9" * 400, 1.0, None),  # past float range (inf - inf scored it 0)
+    ("it is 42.0", "42", 1.0, None), ("1/2", "0.5", 1.0, None),
+    ("The temperature is \u22125 degrees", "5", 0.0, None),  # the typographic minus is a minus
+    ("The temperature is \u22125 degrees", "-5", 1.0, None),
+    ("41", ["41", "42"], 1.0, None), ("42", '["42", "41"]', 1.0, None),  # any of the listed answers
+    ("5", "1/0", 0.0, "bad_label"),
 ])
 def test_gsm8k(response, label, score, error):
     r = verify("gsm8k", response, label)
     assert (r.score, r.error) == (score, error), r
+
+
+def test_math_last_number_keeps_a_typographic_minus():
+    assert verify("math", "so it is \u22125", "5").score == 0.0
+    assert verify("math", "so it is \u22125", "-5").score == 1.0
+
+
+def test_math_reads_full_width_digits():
+    assert verify("math", "\\boxed{\uff14\uff12}", "42").score == 1.0  # as gsm8k did
+    assert verify("math", "\\boxed{\uff14\uff13}", "42").score == 0.0
+
+
+def test_math_timeout_bounds_the_row_not_each_answer():
+    # each of ten acceptable answers took ~3 s of its own 5 s math-verify budget: 31 s for the row
+    result, seconds = verify_in_a_fresh_main_thread(
+        "'math', '\\\\boxed{(x+y+z+1)^{14}}', [str(i) for i in range(10)], math_timeout=5")
+    assert result == [0.0, "timeout"] and seconds < 5 + 8  # the row's 5 s, and the interpreter's start-up
+
+
+@pytest.mark.parametrize("answer", ["9^(9^9)", "9^{\\frac{9^9}{1}}", "9^{9!!}", "\\binom{10^{9}}{10^{8}}", "2^(2^30)",
+                                    "2^{10000}", "12345!", "x^{2*y^3}", "2^" + "(" * 300 + "1", "x^2+" * 300])
+def test_answers_too_big_for_sympy_are_compared_as_text_off_the_main_thread(answer):
+    """Off the main thread math-verify has no timeout: these hung sympy for 16 s to minutes."""
+    assert V._sympy_unsafe(answer)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=verify("math", "\\boxed{%s}" % answer, "7")))
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and out["r"].score == 0.0
+
+
+def test_common_answers_still_go_to_sympy():
+    for answer in ["x^2 + 123!", "x^{2}+y^{2}", "\\frac{1}{2}", "e^{i\\pi}", "2^{10}", "10^{-3}", "(1+x)^{n}",
+                   "\\binom{10}{3}", "2^(n+1)"]:
+        assert not V._sympy_unsafe(answer), answer
+    for text in ["^(" * 100_000, "x^2+" * 100_000, "\\binom{" * 50_000]:
+        t0 = time.time()
+        V._sympy_unsafe(text)
+        assert time.time() - t0 < 0.5, text[:10]
+
+
+def test_labels_no_response_can_match_are_bad_labels_not_response_errors():
+    """A bad label is the data's fault: "bad_label" drops and counts the sample. As "exception:*" (the
+    response's fault) it scored 0, and some scored 0 or 1 with no error at all."""
+    deep = "[" * 100_000  # JSON nested past the recursion limit raised RecursionError out of the pool
+    cases = [("max_length", "a b", "abc"), ("max_length", "a b", '{"max_length": 3, "scale": 0}'),
+             ("max_length", "a b", "nan"), ("up_to_max_length", "a b", "abc"),
+             ("code_stdio", py("print(1)"), '{"inputs": ["a"]}'),
+             ("code_stdio", py("print(1)"), {"inputs": 5, "outputs": 6}),
+             ("string_f1", "red dog", []), ("string_match", "none", None), ("string_match", "x", ""),
+             ("math", "\\boxed{1}", {"a": 1}),
+             ("ifeval", "hello", {"instruction_id_list": ["length_constraints:number_words"],
+                                  "kwargs": [{"num_words": 1e400, "relation": "less than"}]}),
+             (["gsm8k"], "42", deep), (["gsm8k", "max_length"], "42", deep)]
+    for verifier, response, label in cases:
+        r = verify_row(verifier, response, label)
+        assert (r.score, r.error) == (0.0, "bad_label"), (verifier, str(label)[:40], r)
+    assert verify_row(deep, "42", "42").error == "unknown_verifier"
+    assert len(V.row_problem(deep, "42")) < 400 and not V.runs_code(deep, "42")
+    with VerifierPool(num_workers=1, timeout=10.0) as pool:
+        results = pool.score([(deep, "42", "42"), ("gsm8k", "42", deep), ("gsm8k", "so 42", "42")])
+    assert [r.error for r in results] == ["unknown_verifier", "bad_label", None] and results[2].score == 1.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -511,7 +588,7 @@ def test_max_length_is_clamped():
     assert verify("max_length", "w " * 110, {"max_length": 10, "scale": 200}).score == pytest.approx(0.5)
     assert verify("max_length", "x", "10", num_tokens=20).score == pytest.approx(1 - 10 / 8192)
     assert verify("up_to_max_length", "a b", "5").score == 1.0
-    assert verify("max_length", "x", "not a number").error == "exception:ValueError"
+    assert verify("max_length", "x", "not a number").error == "bad_label"  # the data's fault: dropped, not 0
 
 
 # ------------------------------------------------------------------------------------------------
