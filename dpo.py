@@ -31,7 +31,8 @@ Departures from open-instruct's dpo_tune_cache.py (the code Olmo 3 used):
     cache hit <path>"). open-instruct keys its cache on names and arguments, not on contents.
   - No reference model is held in memory during training: the reference pass runs once with the
     initial policy (the LoRA adapter disabled), before training starts.
-  - `ipo` is added (TRL's formula); open-instruct's `wpo` is left out.
+  - `ipo` is added, on summed logprobs as in the paper (TRL's trainer averages them over the completion for
+    ipo); open-instruct's `wpo` is left out.
   - The defaults are Olmo 3 7B Instruct DPO's (open-instruct scripts/train/olmo3/7b_instruct_dpo.sh):
     dpo_norm, beta 5, lr 1e-6, linear schedule with 10% warmup, no weight decay, 1 epoch, 128
     pairs per optimizer step (4 nodes x 8 GPUs x 1 x 4 accumulation), max length 16384. Olmo 3

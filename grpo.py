@@ -582,7 +582,7 @@ def grpo_loss(new_logprobs, old_logprobs, sampling_logprobs, advantages, mask, c
     per_token = pg
     kl = torch.zeros_like(pg)
     if ref_logprobs is not None:
-        d = ref_logprobs - new_logprobs
+        d = (ref_logprobs - new_logprobs).clamp(-40.0, 40.0)  # exp(d) stays finite: a far-off token is no inf loss
         kl = torch.exp(d) - d - 1.0
         if beta:
             per_token = per_token + beta * kl

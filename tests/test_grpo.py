@@ -483,6 +483,17 @@ def test_grpo_loss_k3_kl():
     assert loss.item() == pytest.approx((-2.472 + 0.1 * k3) / 3, abs=1e-6)
 
 
+def test_grpo_loss_kl_stays_finite_far_from_the_reference():
+    # a token the reference finds 100 nats likelier than the policy: exp(100) overflows fp32 unclamped
+    new, old, adv, mask = _loss_inputs()
+    ref = new.detach().clone()
+    ref[0, 0] += 100.0
+    loss, stats = grpo.grpo_loss(new, old, old, adv, mask, 0.2, 0.272, 2.0, ref_logprobs=ref, beta=0.1)
+    loss.backward()
+    assert math.isfinite(loss.item()) and math.isfinite(stats["ref_kl_sum"])
+    assert torch.isfinite(new.grad).all()
+
+
 # -------------------------------------------------------------------------------------------------
 # Packing
 # -------------------------------------------------------------------------------------------------
