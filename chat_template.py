@@ -124,6 +124,7 @@ import difflib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -346,7 +347,9 @@ ROLES = ("system", "user", "assistant", "tool", "environment")
 
 def validate_messages(messages) -> None:
     """Raise DroppedRow for anything the templates cannot render faithfully. Never raises anything else."""
-    if not isinstance(messages, (list, tuple)) or len(messages) == 0:
+    if messages is not None and not isinstance(messages, (list, tuple)):
+        raise DroppedRow("bad_messages", f"a {type(messages).__name__}, not a list of messages")
+    if not messages:
         raise DroppedRow("empty_conversation")
     for message in messages:
         if not isinstance(message, dict):
@@ -378,8 +381,20 @@ def _strip_none(value):
     return value
 
 
+def _decode_messages(messages):
+    """A message list stored as JSON text (a column whose rows mix lists with strings is stored that way,
+    see _load_json_file) as the list; anything else as it is."""
+    if isinstance(messages, str) and messages.lstrip().startswith("["):
+        try:
+            return json.loads(messages)
+        except (ValueError, RecursionError):
+            pass
+    return messages
+
+
 def _normalize(messages, tools=None, from_arrow=False):
     """Copies with tool calls in the `{"function": {"name", "arguments": dict}}` form and tools as a list."""
+    messages = _decode_messages(messages)
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) if tools.strip() else None
@@ -627,18 +642,27 @@ def tokenize_prompt(tokenizer, messages, tools=None, chat_template=None) -> list
 def _read_json_rows(path: str):
     """Yield (line, row) for every row of a .jsonl file (or of a .json list of rows, numbered from 1),
     parsed by Python's json: values exactly as written, and the line of a malformed row."""
-    with open(path, encoding="utf-8-sig", newline="\n") as f:  # JSON Lines end rows at \n only
-        first = f.read(1)
-        while first and first.isspace():
-            first = f.read(1)
+    with open(path, "rb") as f:  # bytes, decoded line by line: a bad byte names its line; rows end at \n only
+        first = f.read(1024).lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1]
         f.seek(0)
-        if first == "[":
+        if first == b"[":
             try:
-                yield from enumerate(json.load(f), 1)
+                rows = json.loads(f.read().decode("utf-8-sig"))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text ({e})") from None
             except ValueError as e:
                 raise ValueError(f"{path}:{getattr(e, 'lineno', '?')}: not valid JSON ({e})") from None
+            for i, row in enumerate(rows if isinstance(rows, list) else [rows], 1):
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}: item {i} of the JSON list must be an object (a row), "
+                                     f"not {type(row).__name__}")
+                yield i, row
             return
-        for i, line in enumerate(f, 1):
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i}: not UTF-8 text ({e})") from None
             if line.strip():
                 try:
                     row = json.loads(line)
@@ -647,6 +671,14 @@ def _read_json_rows(path: str):
                 if not isinstance(row, dict):
                     raise ValueError(f"{path}:{i}: a row must be a JSON object, not {type(row).__name__}")
                 yield i, row
+
+
+def _utf8_encodable(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _json_text(value):
@@ -663,27 +695,33 @@ def _load_json_file(path: str) -> datasets.Dataset:
     lines, kinds = [], collections.defaultdict(set)  # one pass, without keeping the rows
     for i, row in _read_json_rows(path):
         lines.append(i)
-        for key, value in (row.items() if isinstance(row, dict) else ()):
-            kinds[key].add(value is None or isinstance(value, str))
+        for key, value in row.items():
+            kinds[key].update(() if value is None else (isinstance(value, str),))  # a null mixes with anything
     mixed = [key for key, k in kinds.items() if k == {True, False}]
     try:
+        if mixed:  # one type per Arrow column: rebuilt from Python's rows below
+            raise ValueError(f"columns {mixed} mix strings with other values")
         ds = datasets.load_dataset("json", data_files=path, split="train")
-    except Exception:  # e.g. blank lines, which its reader does not skip: the rows Python read
-        rows = [row for _, row in _read_json_rows(path)]
-        ds = datasets.Dataset.from_list([{k: _json_text(r.get(k)) if k in mixed else r.get(k) for k in kinds}
-                                         for r in rows])
-        mixed = []
+    except Exception:  # also blank lines, which its reader does not skip: the rows Python read
+        rows = [{k: _json_text(r.get(k)) if k in mixed else r.get(k) for k in kinds} for _, r in _read_json_rows(path)]
+        try:
+            ds = datasets.Dataset.from_list(rows)
+        except UnicodeEncodeError:  # a "\ud800" escape: a lone surrogate, which Arrow cannot store
+            bad = next(i for i, row in zip(lines, rows) if not _utf8_encodable(row))
+            raise ValueError(f"{path}:{bad}: a string holds a lone surrogate escape (\\ud800-\\udfff), which is "
+                             "not text: fix or remove the row") from None
+        except (TypeError, ValueError) as e:  # pyarrow: values of one column whose types do not mix
+            raise ValueError(f"{path}: {e}: one column holds values of types that do not mix") from None
     if len(lines) != len(ds):
         raise ValueError(f"{path}: datasets read {len(ds)} rows, Python's json {len(lines)}")
-    for column in mixed:
-        text = [_json_text(row.get(column)) for _, row in _read_json_rows(path)]
-        ds = ds.remove_columns(column).add_column(column, text)
     if "source_line" in ds.column_names:
         ds = ds.remove_columns("source_line")
     return ds.add_column("source_line", lines)
 
 
 def _load_source(name: str, split: str) -> datasets.Dataset:
+    if not os.path.exists(name) and name.lower().endswith((".jsonl", ".json", ".parquet")):
+        raise FileNotFoundError(f"no such data file: {name!r}")  # not a Hub name: do not ask the Hub
     if os.path.isfile(name):
         ext = name.rsplit(".", 1)[-1].lower()
         kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(ext)
@@ -703,9 +741,12 @@ def _parse_amount(amount) -> tuple[str, float]:
     text = str(amount).strip()
     if re.fullmatch(r"\d+", text):
         return "count", float(int(text))
-    value = float(text)
-    if value < 0:
-        raise ValueError(f"negative amount {amount!r}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"amount {amount!r}: a fraction (0.5, 3.0) or a row count (500)")
     return "fraction", value
 
 
@@ -729,27 +770,54 @@ def load_mixture(mixer_list: list[str], split: str | list[str] = "train", seed: 
                          "or one per source")
     parts = []
     for name, amount, source_split in zip(mixer_list[0::2], mixer_list[1::2], splits):
+        try:
+            kind, value = _parse_amount(amount)
+        except ValueError as e:
+            raise ValueError(f"dataset mixer list, {name}: {e}") from None
         ds = _load_source(name, source_split)
         if "source_line" not in ds.column_names:  # where a row came from, for error messages (1-based)
             ds = ds.add_column("source_line", list(range(1, len(ds) + 1)))
-        kind, value = _parse_amount(amount)
         n = int(value) if kind == "count" else int(value * len(ds))
-        if len(ds) == 0 and n > 0:
+        if len(ds) == 0 and kind == "count" and n > 0:
             raise ValueError(f"{name}: empty source")
-        shuffled = ds.shuffle(seed=seed)
-        full, rest = divmod(n, len(ds)) if len(ds) else (0, 0)
-        pieces = [shuffled] * full + ([shuffled.select(range(rest))] if rest else [])
-        ds = (datasets.concatenate_datasets(pieces) if len(pieces) > 1
-              else (pieces[0] if pieces else shuffled.select([])))
+        if n == 0:  # an empty file, or a fraction of under one row: said, not silently nothing
+            logger.warning("mixture: %s gives 0 rows (%s %s of %d): left out", name, kind, amount, len(ds))
+            continue
+        # the shuffled source repeated as often as n asks, then its first rows (one index list, not n copies)
+        ds = ds.shuffle(seed=seed).select([i % len(ds) for i in range(n)])
         if "source" in ds.column_names:
             ds = ds.remove_columns("source")
         parts.append(ds.add_column("source", [name] * len(ds)))
         logger.info("mixture: %s -> %d rows (%s %s)", name, len(ds), kind, amount)
+    if not parts:
+        raise ValueError(f"the dataset mixture {mixer_list} has no rows (see the warnings above)")
     try:
         mixed = datasets.concatenate_datasets(parts)
-    except ValueError:  # different features (e.g. one source has `tools`): unify through Python rows
-        mixed = datasets.Dataset.from_list([row for part in parts for row in part])
+    except (TypeError, ValueError):  # different features (one source has `tools`, "2" here and 2 there)
+        mixed = _rows_to_dataset([row for part in parts for row in part], [p[0]["source"] for p in parts])
     return mixed.shuffle(seed=seed)
+
+
+def _rows_to_dataset(rows: list[dict], sources: list[str]) -> datasets.Dataset:
+    """Rows of several sources as one dataset. A column whose sources disagree on its type (a string label
+    here, a number there; a message list with string content here, with parts there) is stored as JSON text,
+    as _load_json_file stores a column that mixes types within one file."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    try:
+        return datasets.Dataset.from_list(rows)
+    except (TypeError, ValueError):
+        pass
+    text = []
+    for column in columns:
+        try:
+            datasets.Dataset.from_dict({column: [row.get(column) for row in rows]})
+        except (TypeError, ValueError):
+            text.append(column)
+    try:
+        return datasets.Dataset.from_list([{k: _json_text(row.get(k)) if k in text else row.get(k) for k in columns}
+                                           for row in rows])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the sources {sources} cannot be mixed into one dataset ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -929,16 +997,24 @@ def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="dr
     template = _resolve_template(tokenizer, chat_template)
 
     def row_fn(row, warnings):
-        out, prompt = {}, row.get("prompt")
+        out, prompt, prompts = {}, _decode_messages(row.get("prompt")), []
+        if isinstance(prompt, str) and prompt.strip():  # TRL's plain-text prompt: one user turn
+            prompt = [{"role": "user", "content": prompt}]
         for key in ("chosen", "rejected"):
             if key not in row:
                 raise DroppedRow(f"missing_{key}")
-            messages = row.get(key)
+            messages = _decode_messages(row.get(key))
             # TRL-style rows: `prompt` messages plus completion-only `chosen` / `rejected`.
-            if isinstance(prompt, list) and isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
                     and messages[0].get("role") == "assistant":
+                if not isinstance(prompt, list):
+                    raise DroppedRow("missing_prompt", f"{key} holds only the answer and the row has no prompt")
                 messages = prompt + messages
             messages, tools = _normalize(messages, row.get("tools"), from_arrow=True)
+            # Arrow fills keys that only the other column has with None: compared without them
+            prompts.append(_strip_none(list(messages[:-1])) if isinstance(messages, (list, tuple)) else None)
+            if len(prompts) == 2 and prompts[0] != prompts[1]:  # a pair answers one prompt
+                raise DroppedRow("prompt_mismatch", "chosen and rejected differ before their last turn")
             t = tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template, max_length=max_length,
                                   over_length_strategy=over_length_strategy, only_last_turn=True, warnings=warnings)
             out[f"{key}_input_ids"], out[f"{key}_labels"] = t["input_ids"], t["labels"]

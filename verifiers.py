@@ -2794,7 +2794,7 @@ def verify_row(verifier: str | list[str], response: str, label: Any, **kwargs) -
 
 def row_problem(verifier: Any, label: Any) -> str | None:
     """Why no response to a dataset row can ever be scored (None: it can): a verifier name this module
-    does not have, or labels that do not match the verifiers. Checked before training: a typo in a
+    does not have, labels that do not match the verifiers, or a text label with no answer in it. Checked before training: a typo in a
     verifier name would otherwise score every sample 0, and steps would train on nothing."""
     try:
         parts = _split_row(verifier, label)
@@ -2804,7 +2804,13 @@ def row_problem(verifier: Any, label: Any) -> str | None:
     if unknown:
         return f"unknown verifier {', '.join(map(repr, unknown))} (known: {', '.join(sorted(VERIFIERS))})"
     for name, part in parts:
-        tests = [t for t in _as_list(part) if isinstance(t, str) and t.strip()] if _canonical(name) == "code" else []
+        key = _canonical(name)
+        answers = [a for a in _answers(part) if a is not None and str(a).strip() and not isinstance(a, dict)]
+        if key in _TEXT_LABELS and not answers:
+            return f"{key}: the label holds no answer ({str(part)[:100]!r})"
+        if key == "gsm8k" and not any(_NUMBER.search(str(a)) for a in answers):
+            return f"gsm8k: the label holds no number ({str(part)[:100]!r})"
+        tests = [t for t in _as_list(part) if isinstance(t, str) and t.strip()] if key == "code" else []
         if tests and all(_plan_test(t, set()) is None for t in tests):
             return "no code test is a top-level assert statement (e.g. `assert f(2) == 4`): none can be judged"
     return None

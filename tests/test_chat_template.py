@@ -401,7 +401,7 @@ def test_mixed_dataset_counts_reasons(tok, tmp_path):
     # Python rows Arrow could not hold (mixed types) go through the same counting.
     py_rows = [good, None, {"messages": "x"}, {"messages": [{"role": "user", "content": 3}, ANSWER]}, {"nothing": 1}]
     ds, drops = ct.tokenize_sft(py_rows, tok, 512, cache_dir="")
-    assert len(ds) == 1 and drops == {"bad_row": 1, "empty_conversation": 2, "non_string_content": 1}
+    assert len(ds) == 1 and drops == {"bad_row": 1, "empty_conversation": 1, "bad_messages": 1, "non_string_content": 1}
     assert ds[0] == ct.tokenize_messages(tok, [USER, ANSWER])
 
 
@@ -497,6 +497,70 @@ def test_load_mixture_fractions_counts_formats(tmp_path):
     assert ct.load_mixture([str(jsonl), "0.5"], seed=3)["k"] == ct.load_mixture([str(jsonl), "0.5"], seed=3)["k"]
     with pytest.raises(ValueError):
         ct.load_mixture([str(jsonl)])
+    assert len(ct.load_mixture([str(jsonl), "32000"])) == 32000  # one index list, not 3,200 copies to concatenate
+
+
+def _rows_file(path, rows, text=None):
+    path.write_bytes(text if text is not None else "".join(json.dumps(r) + "\n" for r in rows).encode())
+    return str(path)
+
+
+def test_one_bad_row_does_not_spoil_its_file(tmp_path, toy_model_dir):
+    """A null or a string in a column of message lists made the column mixed, then every row's list became
+    JSON text that tokenization did not read: 6 of 6 rows dropped (or, as the only column, a crash)."""
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    good = {"messages": [USER, ANSWER]}
+    for bad in (None, "oops"):
+        path = _rows_file(tmp_path / f"sft_{bad}.jsonl", [good] * 5 + [{"messages": bad}])
+        ds, drops = ct.tokenize_sft(ct.load_mixture([path, "1.0"]), tok, 512, cache_dir="")
+        assert len(ds) == 5 and drops.total == 6 and sum(drops.values()) == 1, dict(drops)
+    pairs = [{"chosen": [USER, ANSWER], "rejected": [USER, {"role": "assistant", "content": "no"}]}] * 3
+    path = _rows_file(tmp_path / "pref.jsonl", pairs + [dict(pairs[0], rejected=None)])
+    ds, drops = ct.tokenize_preference(ct.load_mixture([path, "1.0"]), tok, 512, cache_dir="")
+    assert len(ds) == 3 and sum(drops.values()) == 1
+
+
+def test_preference_pairs_answer_one_prompt(tmp_path, toy_model_dir):
+    tok = AutoTokenizer.from_pretrained(toy_model_dir)
+    other_user = {"role": "user", "content": "something else"}
+    rows = [{"chosen": [USER, ANSWER], "rejected": [other_user, ANSWER]},  # two prompts: not a pair
+            {"prompt": "What is 1+1?", "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "3"}]},
+            {"chosen": [ANSWER], "rejected": [ANSWER]}]  # answers only, no prompt
+    ds, drops = ct.tokenize_preference(rows, tok, 512, cache_dir="")
+    assert len(ds) == 1 and drops == {"prompt_mismatch": 1, "missing_prompt": 1}
+    assert "What is 1+1?" in tok.decode(ds[0]["chosen_input_ids"])  # TRL's plain-text prompt is a user turn
+
+
+def test_load_mixture_names_the_file_and_line_of_bad_data(tmp_path):
+    row = json.dumps({"messages": [USER], "ground_truth": "2"})
+    cases = {
+        "latin1.jsonl": ((row + "\n" + row + "\n").encode() + b'{"x": "caf\xe9"}\n', r"latin1\.jsonl:3: not UTF-8"),
+        "surrogate.jsonl": ((row + "\n" + '{"x": "\\ud800"}' + "\n").encode(), r"surrogate\.jsonl:2: .*surrogate"),
+        "items.json": (b'[{"x": 1}, "junk"]', r"items\.json: item 2 of the JSON list must be an object"),
+    }
+    for name, (data, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            ct.load_mixture([_rows_file(tmp_path / name, None, data), "1.0"])
+    good = _rows_file(tmp_path / "good.jsonl", [{"k": 1}, {"k": 2}])
+    for amount in ("nan", "inf", "abc", "-1"):
+        with pytest.raises(ValueError, match=r"good\.jsonl: amount"):
+            ct.load_mixture([good, amount])
+    with pytest.raises(FileNotFoundError, match="no such data file"):  # at once, not after asking the Hub
+        ct.load_mixture(["data/nope.jsonl", "1.0"])
+
+
+def test_load_mixture_leaves_out_sources_with_no_rows_and_mixes_types(tmp_path):
+    two = _rows_file(tmp_path / "two.jsonl", [{"k": 1, "ground_truth": "2"}, {"k": 2, "ground_truth": "3"}])
+    empty = _rows_file(tmp_path / "empty.jsonl", None, b"\n  \n")
+    for mixer in ([two, "0"], [two, "0.1"], [empty, "1.0"]):  # crashed in Arrow, or gave 0 rows quietly
+        with pytest.raises(ValueError, match="has no rows"):
+            ct.load_mixture(mixer)
+    mix = ct.load_mixture([two, "1.0", empty, "1.0", two, "0.1"])
+    assert len(mix) == 2 and set(mix["source"]) == {two}
+    # "2" in one file, 2 in another: a column the sources disagree on is JSON text (crashed in Arrow)
+    ints = _rows_file(tmp_path / "ints.jsonl", [{"k": 3, "ground_truth": 4}])
+    mix = ct.load_mixture([two, "1.0", ints, "1.0"])
+    assert sorted(mix["ground_truth"]) == ["2", "3", "4"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -236,6 +236,10 @@ def test_labels_no_response_can_match_are_bad_labels_not_response_errors():
         r = verify_row(verifier, response, label)
         assert (r.score, r.error) == (0.0, "bad_label"), (verifier, str(label)[:40], r)
     assert verify_row(deep, "42", "42").error == "unknown_verifier"
+    # checked before training (grpo.py stops on such rows), not found one sample at a time
+    for verifier, label in (("math", ""), ("math", []), ("math", {"a": 1}), ("gsm8k", "abc"), ("string_f1", [None])):
+        assert V.row_problem(verifier, label), (verifier, label)
+    assert V.row_problem("gsm8k", "#### 1,234") is V.row_problem("math", ["1/2", "0.5"]) is None
     assert len(V.row_problem(deep, "42")) < 400 and not V.runs_code(deep, "42")
     with VerifierPool(num_workers=1, timeout=10.0) as pool:
         results = pool.score([(deep, "42", "42"), ("gsm8k", "42", deep), ("gsm8k", "so 42", "42")])
