@@ -381,20 +381,20 @@ def _strip_none(value):
     return value
 
 
-def _decode_messages(messages):
-    """A message list stored as JSON text (a column whose rows mix lists with strings is stored that way,
-    see _load_json_file) as the list; anything else as it is."""
-    if isinstance(messages, str) and messages.lstrip().startswith("["):
+def _decode_json_list(value):
+    """A list stored as JSON text (a message list in a column whose rows mix lists with strings is stored
+    that way, see _load_json_file; a list of labels or verifiers may be) as the list; anything else as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
         try:
-            return json.loads(messages)
+            return json.loads(value)
         except (ValueError, RecursionError):
             pass
-    return messages
+    return value
 
 
 def _normalize(messages, tools=None, from_arrow=False):
     """Copies with tool calls in the `{"function": {"name", "arguments": dict}}` form and tools as a list."""
-    messages = _decode_messages(messages)
+    messages = _decode_json_list(messages)
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) if tools.strip() else None
@@ -997,13 +997,13 @@ def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="dr
     template = _resolve_template(tokenizer, chat_template)
 
     def row_fn(row, warnings):
-        out, prompt, prompts = {}, _decode_messages(row.get("prompt")), []
+        out, prompt, prompts = {}, _decode_json_list(row.get("prompt")), []
         if isinstance(prompt, str) and prompt.strip():  # TRL's plain-text prompt: one user turn
             prompt = [{"role": "user", "content": prompt}]
         for key in ("chosen", "rejected"):
             if key not in row:
                 raise DroppedRow(f"missing_{key}")
-            messages = _decode_messages(row.get(key))
+            messages = _decode_json_list(row.get(key))
             # TRL-style rows: `prompt` messages plus completion-only `chosen` / `rejected`.
             if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
                     and messages[0].get("role") == "assistant":
@@ -1062,11 +1062,7 @@ def _is_judge(verifier) -> bool:
 
 
 def _maybe_json_list(value) -> list:
-    if isinstance(value, str) and value.strip().startswith("["):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass
+    value = _decode_json_list(value)
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 

@@ -229,6 +229,12 @@ def _answers(label: Any) -> list:
     return [label]
 
 
+def _label_answers(label: Any) -> list:
+    """The answers of a text label that a response could match: no None, no blank, no dict (a structure
+    is another verifier's label)."""
+    return [a for a in _answers(label) if a is not None and str(a).strip() and not isinstance(a, dict)]
+
+
 # ---------------------------------------------------------------------------------------------
 # math and gsm8k
 
@@ -388,8 +394,8 @@ def math(response: str, label: Any, math_timeout: int = 5) -> VerifierResult:
 
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     # '["1/2", "0.5"]': several acceptable answers; "[1, 2]" stays an interval
-    golds = [g for g in _answers(label) if g is not None and str(g).strip()]
-    if not golds or any(isinstance(g, dict) for g in golds):  # a dict is no answer (a label of another verifier)
+    golds = _label_answers(label)
+    if not golds:
         return _fail("bad_label", pred)
     if t is None and _sympy_unsafe(pred):
         golds = [_strip_math_delims(last_boxed(str(g)) or str(g)) for g in golds]
@@ -442,7 +448,7 @@ def gsm8k(response: str, label: Any) -> VerifierResult:
     if not numbers:
         return _fail("no_answer")
     pred = _plain_number(numbers[-1])
-    golds = [g for g in (_NUMBER.findall(str(a)) for a in _answers(label) if a is not None) if g]
+    golds = [g for g in (_NUMBER.findall(str(a)) for a in _label_answers(label)) if g]
     golds = [_exact_number(g[-1]) for g in golds]
     if not golds or None in golds:
         return _fail("bad_label", pred)
@@ -1278,7 +1284,7 @@ def normalize_answer(s: str) -> str:
 def _text_golds(label: Any) -> list[str]:
     """The normalized answers of a string_match / string_f1 label; none that normalizes to nothing (a None,
     an empty string or list: a bad label, never an answer that "none" or an empty response would match)."""
-    return [g for g in (normalize_answer(a) for a in _answers(label) if a is not None) if g]
+    return [g for g in map(normalize_answer, _label_answers(label)) if g]
 
 
 def _short_answer(response: str) -> str:
@@ -2794,8 +2800,9 @@ def verify_row(verifier: str | list[str], response: str, label: Any, **kwargs) -
 
 def row_problem(verifier: Any, label: Any) -> str | None:
     """Why no response to a dataset row can ever be scored (None: it can): a verifier name this module
-    does not have, labels that do not match the verifiers, or a text label with no answer in it. Checked before training: a typo in a
-    verifier name would otherwise score every sample 0, and steps would train on nothing."""
+    does not have, labels that do not match the verifiers, or a text label with no answer in it. Checked
+    before training: a typo in a verifier name would otherwise score every sample 0, and steps would train
+    on nothing."""
     try:
         parts = _split_row(verifier, label)
     except (ValueError, TypeError) as e:
@@ -2805,7 +2812,7 @@ def row_problem(verifier: Any, label: Any) -> str | None:
         return f"unknown verifier {', '.join(map(repr, unknown))} (known: {', '.join(sorted(VERIFIERS))})"
     for name, part in parts:
         key = _canonical(name)
-        answers = [a for a in _answers(part) if a is not None and str(a).strip() and not isinstance(a, dict)]
+        answers = _label_answers(part)
         if key in _TEXT_LABELS and not answers:
             return f"{key}: the label holds no answer ({str(part)[:100]!r})"
         if key == "gsm8k" and not any(_NUMBER.search(str(a)) for a in answers):
