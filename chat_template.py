@@ -698,11 +698,13 @@ def _load_json_file(path: str) -> datasets.Dataset:
         for key, value in row.items():
             kinds[key].update(() if value is None else (isinstance(value, str),))  # a null mixes with anything
     mixed = [key for key, k in kinds.items() if k == {True, False}]
-    try:
-        if mixed:  # one type per Arrow column: rebuilt from Python's rows below
-            raise ValueError(f"columns {mixed} mix strings with other values")
-        ds = datasets.load_dataset("json", data_files=path, split="train")
-    except Exception:  # also blank lines, which its reader does not skip: the rows Python read
+    ds = None
+    if not mixed:  # one type per Arrow column; a mixed column is rebuilt from Python's rows below
+        try:
+            ds = datasets.load_dataset("json", data_files=path, split="train")
+        except Exception:  # e.g. blank lines, which its reader does not skip: the rows Python read, below
+            pass
+    if ds is None:
         rows = [{k: _json_text(r.get(k)) if k in mixed else r.get(k) for k in kinds} for _, r in _read_json_rows(path)]
         try:
             ds = datasets.Dataset.from_list(rows)

@@ -2812,8 +2812,8 @@ def row_problem(verifier: Any, label: Any) -> str | None:
         return f"unknown verifier {', '.join(map(repr, unknown))} (known: {', '.join(sorted(VERIFIERS))})"
     for name, part in parts:
         key = _canonical(name)
-        answers = _label_answers(part)
-        if key in _TEXT_LABELS and not answers:
+        answers = _label_answers(part) if key in _TEXT_LABELS else None
+        if answers == []:
             return f"{key}: the label holds no answer ({str(part)[:100]!r})"
         if key == "gsm8k" and not any(_NUMBER.search(str(a)) for a in answers):
             return f"gsm8k: the label holds no number ({str(part)[:100]!r})"
