@@ -1,8 +1,13 @@
 """Session fixtures: the toy model, tokenizer and data are built once, offline, from a seed."""
 
+import contextlib
+import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -49,16 +54,48 @@ def toy_data_dir(tmp_path_factory):
 def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
     """The toy model after `sft.py` with SFT_FIXTURE_ARGS on `toy_data_dir`: it learned the task and, from
     the imperfect teacher, the forgotten carry (measured with an earlier toy tokenizer: 52% greedy, 94%
-    without a carry, 9% with one), which leaves DPO and RL something to fix."""
+    without a carry, 9% with one), which leaves DPO and RL something to fix.
+
+    About 6 minutes to train, so it is cached on disk (TEST_CACHE_DIR, default ~/.cache/olmo3-posttrain-tests),
+    keyed by everything that makes it: the bytes of the toy model and data it starts from, sft.py,
+    chat_template.py, the arguments, and the torch / transformers versions. Any change trains it anew."""
+    sft_data = os.path.join(toy_data_dir, "sft.jsonl")
+    key = _fixture_key([toy_model_dir, sft_data, os.path.join(REPO, "sft.py"), os.path.join(REPO, "chat_template.py")],
+                       SFT_FIXTURE_ARGS)
+    cache_root = os.environ.get("TEST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache",
+                                                               "olmo3-posttrain-tests"))
+    cached = os.path.join(cache_root, f"toy_sft-{key}")
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return cached
     out = str(tmp_path_factory.mktemp("toy_sft"))
     cmd = [sys.executable, os.path.join(REPO, "sft.py"), *SFT_FIXTURE_ARGS,
-           "--model_name_or_path", toy_model_dir,
-           "--dataset_mixer_list", os.path.join(toy_data_dir, "sft.jsonl"), "1.0",
-           "--output_dir", out]
+           "--model_name_or_path", toy_model_dir, "--dataset_mixer_list", sft_data, "1.0", "--output_dir", out]
     # Two intra-op threads: the suite runs one process at a time here, and on two idle cores an SFT
     # step takes 0.44 s with two threads vs 0.78 s with one (the fixture: 750 steps, ~6 min).
     subprocess.run(cmd, check=True, cwd=REPO, timeout=1200, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    with contextlib.suppress(OSError):  # a read-only or full cache only costs the next session the training
+        os.makedirs(cache_root, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_root, prefix=".partial-")
+        shutil.copytree(out, tmp, dirs_exist_ok=True)
+        os.replace(tmp, cached)  # atomic: a concurrent or killed run never leaves a half-written model behind
+        return cached
     return out
+
+
+def _fixture_key(paths: list[str], args: list[str]) -> str:
+    """sha256 over the bytes of `paths` (files, or every file below a directory, by relative name), `args` and
+    the versions of the libraries that train."""
+    import torch
+    import transformers
+
+    h = hashlib.sha256(json.dumps([args, torch.__version__, transformers.__version__]).encode())
+    for path in paths:
+        files = ([os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path])
+        for f in sorted(files):
+            h.update(os.path.relpath(f, path).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()[:16]
 
 
 # demo.sh's SFT stage as it was before the demo's data changed (the demo now trains at lr 1e-3): three epochs
