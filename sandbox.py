@@ -21,21 +21,36 @@ double forks included; running as the caller, a hostile program can still kill t
 
 Verdicts (`judge_asserts`). The sandbox only reports the values of the parts of each assert that need the
 program (`f(2)` of `assert f(2) == 4`) and this process compares them with the real builtins and math, so
-exiting early, forging output, patching builtins or `__eq__` cannot pass a test; the test's expected values
-reach the sandbox only where a later step there reads them. Tests that cannot be judged that way, because their
-asserts are not top-level statements (inside a loop or a function) or because a verdict would need a value that
-is not the program's answer computed in the sandbox (a comparison inside a comprehension, a helper the test
-defines, an expected value built with an imported class), are not judged: "unsupported" counts them. For stdio
-tests (`run_stdio_tests`) this process compares stdout.
+exiting early, forging output, patching builtins or `__eq__` cannot pass a test. Nothing the judge needs is in
+the program's process before its own calls have returned: this process sends one step at a time, each test runs
+in a process of its own forked from a harness that never ran the program's code, and a test's expected values go
+there only right before a later step that reads them. Every step that raises fails its test; values are read
+after the assert's calls returned, from a copy of the process with no thread of the program's; a test's list the
+program was given is judged as the program left it (an in-place contract). Values travel as data (ints of any
+size in hex, containers, Fractions, numpy values, the program's own classes as their attributes), at most
+_MAX_BYTES / _MAX_NODES per assert: past it a counted `too_large` failure. What judging them may cost this
+process is bounded before each operation starts (see the rule at _MAX_NODES). Tests that cannot be judged that
+way, because their asserts are not top-level statements (inside a loop or a function) or because a verdict would
+need a value that is not the program's answer computed in the sandbox (a comparison inside a comprehension, a
+helper the test defines, an expected value built with an imported class), are not judged: "unsupported" counts
+them. For stdio tests (`run_stdio_tests`) this process compares stdout token by token, all of it up to the
+16 MB file-size limit (past it: status "output_limit", counted).
 """
 
 import ast
 import builtins
+import collections
+import dataclasses
+import fractions
+import itertools
 import json
 import logging
 import math as pymath
 import os
 import queue
+import re
+import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -43,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from typing import Any, Callable
 
 logger = logging.getLogger("verifiers")
@@ -71,14 +87,21 @@ _MODES = {
 # program starts): the calls that hold memory no address-space limit counts fail with EPERM. They are
 # memfd files and SysV / POSIX shared memory and message queues (pages held unmapped), sockets (kernel
 # buffers: the network namespace leaves only local pairs, and 60 filled pairs held 470 MB), io_uring
-# (pinned buffers) and F_SETPIPE_SZ (a pipe keeps its default 64 KB). Code-contest programs use none of
-# them; a program that does gets PermissionError. On an architecture not listed here it is not installed
+# (pinned buffers), F_SETPIPE_SZ (a pipe keeps its default 64 KB), SysV semaphore sets (kernel memory: 1.2-1.8 GB
+# held against a 1 GB budget) and extended attributes (kept in memory outside a tmpfs's size: about 3 GB). The
+# keyring calls (add_key, request_key, keyctl) fail too: keyrings outlive a run (a uid's, persistent ones) and
+# one inherited is the caller's. Code-contest programs use none of them; a program that does gets PermissionError.
+# On an architecture not listed here it is not installed
 # (`sandbox_description` says so): under a cgroup that bounds memory all the same, without one it does not.
 _SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); the same names on each
     "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "socket": 41, "socketpair": 53,
-                            "shmget": 29, "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "fcntl": 72}),
+                            "shmget": 29, "msgget": 68, "semget": 64, "mq_open": 240, "io_uring_setup": 425,
+                            "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
+                            "add_key": 248, "request_key": 249, "keyctl": 250, "fcntl": 72}),
     "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "socket": 198, "socketpair": 199,
-                             "shmget": 194, "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "fcntl": 25}),
+                             "shmget": 194, "msgget": 186, "semget": 190, "mq_open": 180, "io_uring_setup": 425,
+                             "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
+                             "add_key": 217, "request_key": 218, "keyctl": 219, "fcntl": 25}),
 }
 _SECCOMP = r"""
 import ctypes, os, struct
@@ -100,9 +123,9 @@ def deny_unbounded_memory():
     prog = [(LD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, ENOSYS), (LD, 0, 0, 0)]  # another ABI: refused
     if os.uname().machine == "x86_64":  # x32 calls (bit 30) reach the same code under other numbers
         prog += [(JGE, 0, 1, 0x40000000), (RET, 0, 0, ENOSYS)]
-    for name in ("memfd_create", "memfd_secret", "socket", "socketpair", "shmget", "msgget", "mq_open",
-                 "io_uring_setup"):
-        prog += [(JEQ, 0, 1, nr[name]), (RET, 0, 0, EPERM)]
+    for name, number in nr.items():
+        if name != "fcntl":
+            prog += [(JEQ, 0, 1, number), (RET, 0, 0, EPERM)]
     prog += [(JEQ, 0, 3, nr["fcntl"]), (LD, 0, 0, 24), (JEQ, 0, 1, 1031), (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
     code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
 
@@ -120,7 +143,7 @@ def deny_unbounded_memory():
 # read-only binds (system dirs, the interpreter's prefixes), a tmpfs /tmp holding the run's files,
 # a minimal /dev and the namespace's own /proc; then chroot, drop to the unprivileged id, limits, exec.
 _SETUP = r"""
-import ctypes, json, os, resource, sys, traceback
+import ctypes, json, os, resource, select, sys, traceback
 cfg = json.loads(sys.argv[1])
 os.set_inheritable(cfg["status_fd"], False)  # closed by the exec: the program cannot write a setup failure
 
@@ -215,16 +238,25 @@ os.chdir("/tmp")
 os.setsid()  # kill(0, ...) must reach only the namespace, not unshare (the same uid outside, in userns mode)
 for name, soft, hard in cfg["rlimits"]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}.get(os.uname().machine)
+if SYS_KEYCTL:  # a session keyring of its own, empty: the caller's (PAM, systemd give one) is out of reach
+    libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_long(1), None)  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
 if not cfg["userns"]:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
     # The kernel keeps a uid's keyrings across runs (no user namespace of its own here): what an earlier run of
     # this uid left would be a channel to this one. Start them empty (KEYCTL_CLEAR of the user and user-session
-    # keyrings; an unknown architecture keeps them).
-    SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "ppc64le": 271, "s390x": 280}.get(os.uname().machine)
+    # keyrings); the seccomp filter then refuses every keyring call (persistent keyrings included).
     for keyring in (-4, -5) if SYS_KEYCTL else ():
         libc.syscall(ctypes.c_long(SYS_KEYCTL), ctypes.c_long(7), ctypes.c_long(keyring))
+# The uid change cleared the parent-death signal that `unshare --kill-child` gave this process (the pid
+# namespace's init: all of the run dies with it). Set it again; the caller gone before that (its end of the
+# `alive` pipe closed) ends the run here.
+libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+if select.select([cfg["alive_fd"]], [], [], 0)[0]:
+    os._exit(125)
+os.close(cfg["alive_fd"])
 deny_unbounded_memory()  # and no_new_privs
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 """
@@ -406,12 +438,12 @@ def _sandbox_env() -> dict[str, str]:
 
 
 def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
-                       uid: int, status_fd: int) -> list[str]:
+                       uid: int, status_fd: int, alive_fd: int) -> list[str]:
     binds, links, paths = _root_layout()
     cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
            "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb,
            "shm_mb": shm_mb, "binds": binds, "links": links, "paths": paths, "rlimits": rlimits, "argv": argv,
-           "env": _sandbox_env(), "status_fd": status_fd}
+           "env": _sandbox_env(), "status_fd": status_fd, "alive_fd": alive_fd}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
     # namespace's init (the program) and with it every process in the pid namespace.
@@ -598,13 +630,19 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
         cmd = _bwrap_command(argv, workdir, rlimits, tmp_mb, shm_mb, status.fileno())
         cwd, env = workdir, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
-        pass_fds = (*pass_fds, status.fileno())
-        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno())
+        alive = os.pipe()  # its read end sees the end of file once this process is gone
+        pass_fds = (*pass_fds, status.fileno(), alive[0])
+        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno(), alive[0])
         cwd, env = workdir, {}
     if cgroups:
         cmd = _in_cgroup(cmd, cgroups)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-                            start_new_session=True, pass_fds=pass_fds)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+                                start_new_session=True, pass_fds=pass_fds)
+    finally:
+        if mode in ("namespace", "userns"):
+            os.close(alive[0])
+    proc.alive_fd = alive[1] if mode in ("namespace", "userns") else None
     return proc, cgroups or []
 
 
@@ -634,6 +672,9 @@ def _kill_sandbox(proc: subprocess.Popen, mode: str) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    if getattr(proc, "alive_fd", None) is not None:
+        os.close(proc.alive_fd)
+        proc.alive_fd = None
 
 
 def _wait_uid_gone(uid: int, timeout: float = 3.0) -> None:
@@ -704,7 +745,8 @@ def sandbox_description() -> str:
     cgroup = _SANDBOX.get("cgroup")
     budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
               if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
-    seccomp = ("memfd, sockets and shared memory refused (seccomp)" if os.uname().machine in _SECCOMP_SYSCALLS
+    seccomp = ("memfd, sockets, SysV IPC, xattrs and keyrings refused (seccomp)"
+               if os.uname().machine in _SECCOMP_SYSCALLS
                else f"no seccomp filter on {os.uname().machine}: memory held unmapped is bounded only by a cgroup")
     return f"code sandbox: {mode}: {_MODES[mode]}; {budget}; {seccomp}"
 
@@ -716,16 +758,25 @@ def _sandbox_state() -> dict:
 
 
 def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None = None, timeout: float = 5.0,
-                  memory_mb: int = 1024, max_output: int = 1 << 20, channel: bool = False,
+                  memory_mb: int = 1024, max_output: int = 1 << 20, converse: Callable | None = None,
                   mode: str | None = None) -> dict:
-    """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never
-    raises for the program's behaviour. With channel=True the last argument is the number of a
-    file descriptor it may write results to. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|
-    output_limit|sandbox_error, "stdout", "stderr", "seconds", "channel"}."""
+    """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
+    program's behaviour. With `converse`, its last two arguments are the numbers of a pipe it reads requests from
+    and one it writes reports to, and `converse(request_fd, report_fd, deadline)` talks to it while it runs (its
+    result: "conversation"); the run ends when it returns. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|
+    output_limit|sandbox_error, "stdout", "stderr", "seconds", "conversation"}."""
     mode = mode or _sandbox_mode()
     # Named after this process, so that whoever kills it (the pool) can remove what it leaves.
     workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_")
     uid = _acquire_uid()
+    pipes = [*os.pipe(), *os.pipe()] if converse else []  # request: read, write; report: read, write
+
+    def close(*ends: int) -> None:  # once each: a number closed twice may by then be another file's
+        for end in ends:
+            if pipes[end] >= 0:
+                os.close(pipes[end])
+                pipes[end] = -1
+
     try:
         os.makedirs(os.path.join(workdir, "root"))
         os.makedirs(os.path.join(workdir, "files"))
@@ -733,20 +784,26 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             with open(os.path.join(workdir, "files", name), "w") as f:
                 f.write(text)
         with tempfile.TemporaryFile() as fin, tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr, \
-                tempfile.TemporaryFile() as fchan, tempfile.TemporaryFile() as fstatus:
+                tempfile.TemporaryFile() as fstatus:
             # Output goes to files, not pipes: no reader threads, no deadlock, and RLIMIT_FSIZE
             # stops a program that prints gigabytes.
             fin.write((stdin_text or "").encode())
             fin.seek(0)
-            extra = [str(fchan.fileno())] if channel else []
+            os.fchmod(fin.fileno(), 0o444)  # a program that reopens /dev/stdin runs as another uid (as root)
+            extra = [str(pipes[0]), str(pipes[3])] if converse else []
             t0 = time.monotonic()
             proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
-                                           pass_fds=(fchan.fileno(),) if channel else (), status=fstatus)
+                                           pass_fds=(pipes[0], pipes[3]) if converse else (), status=fstatus)
+            conversation, status = None, "timeout"
             try:
-                rc = proc.wait(timeout=timeout)
+                if converse:
+                    close(0, 3)
+                    conversation = converse(pipes[1], pipes[2], t0 + timeout)
+                    close(1, 2)  # the harness reads the end of its requests (or a broken pipe) and exits
+                rc = proc.wait(timeout=max(0.0, t0 + timeout - time.monotonic()))
                 status = "ok" if rc == 0 else (f"signal_{-rc}" if rc < 0 else f"exit_{rc}")
             except subprocess.TimeoutExpired:
-                status = "timeout"
+                pass
             finally:
                 _kill_sandbox(proc, mode)
                 _remove_cgroup(cgroups)
@@ -759,9 +816,10 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
                 status, err = "sandbox_error", (_read(fstatus, 4000) or _read(ferr, 4000))[-2000:]
             if status != "sandbox_error":
                 err = _read(ferr, 64 << 10)[-2000:]
-            out, chan = _read(fout, max_output), _read(fchan, 8 << 20)  # values of big results too
-        return {"status": status, "stdout": out, "stderr": err, "seconds": seconds, "channel": chan}
+            out = _read(fout, max_output)
+        return {"status": status, "stdout": out, "stderr": err, "seconds": seconds, "conversation": conversation}
     finally:
+        close(*range(len(pipes)))
         _release_uid(uid)
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -776,59 +834,207 @@ def _read(f, limit: int) -> str:
     return f.read(limit).decode(errors="replace")
 
 
-# The tests' verdicts are decided here, not in the program's interpreter (which the program owns:
-# it can read the harness, patch builtins or __eq__, exit early, forge any line it prints). The
-# sandbox only evaluates the parts of each `assert` that depend on the program (e.g. `f(2)` of
-# `assert f(2) == 4`) and writes their values, as plain data, to a channel; this process
-# evaluates the rest (`_v0 == 4`) on those values. The expected values never enter the sandbox, so
-# a forged report passes only by carrying the right values, which is solving the test.
-_HARNESS = """\
-import json, os, sys
-_fd = int(sys.argv[-1])
-_tests = {tests!r}
-_ns = {{"__name__": "__main__"}}
+# The tests' verdicts are decided here, not in the program's interpreter (which the program owns: it can read
+# the harness, patch builtins or __eq__, exit early, forge any line it writes). The sandbox only evaluates the
+# parts of each `assert` that depend on the program (`f(2)` of `assert f(2) == 4`) and reports their values as
+# data; this process evaluates the rest (`_v0 == 4`) on them (`_check_test`). What the judge needs never enters
+# the program's process before the program's own calls have returned: the harness holds no test; this process
+# sends one step at a time and the next only after the last one's report; each test runs in a fresh process
+# forked from the harness before the program's code ran (so no test's inputs meet another's), which then kills
+# what the test left; a test's expected values are sent only where a later step there reads them, right before
+# it. A forged report passes only by carrying the right values, which is solving the test; a forged "it returned"
+# of a step that then raised is caught by the fence after each test (`_run_test`). What the program can still
+# claim, since the harness runs in its process: that a call returned which never did (a thread of its own
+# answering in the harness's place while the call hangs) -- worth something only for a bare call no check reads.
+_HARNESS = r"""
+import json, os, sys, types
+REQ, REP = int(sys.argv[-2]), int(sys.argv[-1])
+MAX_BYTES, MAX_NODES, MAX_DEPTH = LIMITS
+PROGRAM = compile(open("solution.py").read(), "solution.py", "exec")  # run anew by each test's process
 
 
-def _enc(v, depth=0):
-    if depth > 100:
-        raise RecursionError
-    if v is None or isinstance(v, bool):
-        return ["n"] if v is None else ["b", bool(v)]
-    for base, tag in ((int, "i"), (float, "f"), (complex, "c")):
-        if isinstance(v, base):
-            return [tag, base.__repr__(base(v))]
-    if isinstance(v, (str, bytes)):
-        return ["s", str.__str__(v)] if isinstance(v, str) else ["y", bytes(v).hex()]
-    for base, tag in ((list, "l"), (tuple, "t"), (set, "S"), (frozenset, "F")):
-        if isinstance(v, base):
-            return [tag, [_enc(x, depth + 1) for x in base.__iter__(v)]]
-    if isinstance(v, dict):
-        return ["d", [[_enc(k, depth + 1), _enc(x, depth + 1)] for k, x in dict.items(v)]]
-    if type(v).__module__ == "numpy" and getattr(v, "shape", None) == ():
-        return _enc(v.item(), depth)
-    return ["o", type(v).__name__ + ":" + repr(v)[:1000]]
+def receive():
+    # Byte by byte: what follows this line is for whoever reads next (a test's process, or the harness after it).
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(REQ, 1)
+        if not byte:
+            os._exit(0)
+        line += byte
+    return json.loads(line)
 
 
-try:  # a crash or sys.exit() while defining things does not skip the tests
-    exec(compile(open("solution.py").read(), "solution.py", "exec"), _ns)
-except BaseException:
-    pass
-for _i, _steps in enumerate(_tests):
+def send(message):
+    data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
     try:
-        for _j, (_kind, _code) in enumerate(_steps):
-            if _kind == "exec":
-                exec(_code, _ns)
-                continue
-            _vals = []
-            for _e in _code:
+        while data:
+            data = data[os.write(REP, data):]
+    except OSError:  # the caller stopped listening (its deadline, a report over its bound)
+        os._exit(0)
+
+
+class TooLarge(Exception):
+    pass
+
+
+def fields(v):
+    # An instance's attributes, read through the C descriptors of object and of __slots__ only: a property or
+    # __getattr__ of the program's class never runs here.
+    out = {}
+    for klass in reversed(type.__getattribute__(type(v), "__mro__")):
+        for name, desc in list(type.__getattribute__(klass, "__dict__").items()):  # a mappingproxy: C code
+            if type(desc) is types.MemberDescriptorType:
                 try:
-                    _vals.append(_enc(eval(_e, _ns)))
-                except BaseException as _x:
-                    _vals.append(["e", type(_x).__name__])
-            os.write(_fd, (json.dumps([_i, _j, _vals]) + "\\n").encode())
-    except BaseException:
+                    out[name] = desc.__get__(v, type(v))
+                except AttributeError:
+                    pass
+            elif name == "__dict__" and type(desc) is types.GetSetDescriptorType:
+                found = desc.__get__(v, type(v))
+                if isinstance(found, dict):
+                    out.update((k, x) for k, x in dict.items(found) if type(k) is str)
+    return out
+
+
+def enc(v, budget, depth=0):
+    # Plain data by each builtin type's own methods (a subclass's overrides never run): JSON numbers and strings,
+    # [tag, ...] for the rest. `budget` counts nodes and bytes down: past either the value is too large.
+    budget[0] -= 1
+    if budget[0] < 0 or budget[1] < 0 or depth > MAX_DEPTH:
+        raise TooLarge
+    t = type(v)
+    if v is None or t is bool:
+        return v
+    if issubclass(t, int) and t is not bool:
+        n = int.__int__(v)
+        if -(1 << 53) < n < (1 << 53):
+            budget[1] -= 2 + (int.bit_length(n) * 5 >> 4)  # its digits (log10(2) < 5/16) and a comma
+            return n
+        budget[1] -= int.bit_length(n) >> 2
+        if budget[1] < 0:
+            raise TooLarge
+        return ["i", int.__format__(n, "x")]
+    if issubclass(t, float):
+        return ["f", float.__repr__(v)]
+    if issubclass(t, complex):
+        return ["c", float.__repr__(complex.real.__get__(v)), float.__repr__(complex.imag.__get__(v))]
+    if issubclass(t, str):
+        budget[1] -= str.__len__(v) + 2
+        if budget[1] < 0:
+            raise TooLarge
+        return str.__str__(v)
+    if issubclass(t, (bytes, bytearray)):
+        budget[1] -= 2 * len(v)
+        if budget[1] < 0:
+            raise TooLarge
+        return ["y", (bytes.hex if issubclass(t, bytes) else bytearray.hex)(v)]
+    for base, tag in ((list, "l"), (tuple, "t"), (set, "S"), (frozenset, "F")):
+        if issubclass(t, base):
+            if base.__len__(v) > budget[0]:
+                raise TooLarge
+            return [tag, *(enc(x, budget, depth + 1) for x in list(base.__iter__(v)))]
+    if issubclass(t, dict):
+        if dict.__len__(v) > budget[0]:
+            raise TooLarge
+        return ["d", *([enc(k, budget, depth + 1), enc(x, budget, depth + 1)] for k, x in list(dict.items(v)))]
+    if issubclass(t, type):
+        return ["T", str(type.__getattribute__(v, "__qualname__"))]
+    module = str(type.__getattribute__(t, "__module__"))
+    if module == "fractions" and t.__name__ == "Fraction" and t is sys.modules["fractions"].Fraction:
+        return ["q", enc(v.numerator, budget), enc(v.denominator, budget)]
+    if module == "numpy" or module.startswith("numpy."):
+        numpy = sys.modules["numpy"]
+        if t is numpy.ndarray and v.size <= budget[0]:
+            return ["l", *(enc(x, budget, depth + 1) for x in numpy.ndarray.tolist(v))] if v.ndim else enc(
+                numpy.ndarray.tolist(v), budget, depth)
+        if isinstance(v, numpy.generic):
+            return enc(numpy.generic.item(v), budget, depth)
+    if module == "__main__":  # the program's own class: its name, its bases' names and its attributes
+        mro = [str(type.__getattribute__(k, "__qualname__")) for k in type.__getattribute__(t, "__mro__")]
+        return ["o", mro, *([name, enc(x, budget, depth + 1)] for name, x in fields(v).items())]
+    return ["u", module + "." + str(type.__getattribute__(t, "__qualname__"))]
+
+
+def report(values):
+    # In a process of its own when one can be had: a copy of this moment's memory with no thread of the
+    # program's, so nothing the program left running changes a value while it is read.
+    child = -1
+    try:
+        child = os.fork()
+    except OSError:
         pass
+    if child > 0:
+        os.waitpid(child, 0)
+        return
+    try:
+        budget, out = [MAX_NODES, MAX_BYTES], []
+        for v in values:
+            try:
+                out.append(["e", v[1]] if v[0] == "e" else enc(v[1], budget))
+            except (TooLarge, RecursionError, MemoryError):
+                out.append(["z"])  # too large to carry: a counted failure
+                budget[0] = budget[1] = -1
+            except Exception as e:
+                out.append(["u", type(e).__name__])
+        send(["values", out])
+    finally:
+        if child == 0:
+            os._exit(0)
+
+
+def run_test(ns):
+    while True:
+        kind, code, pre = receive()
+        if kind == "end":
+            return
+        try:
+            for source in pre:
+                exec(source, ns)
+            if kind == "exec":
+                exec(code, ns)
+                send(["ok"])
+                continue
+        except BaseException as e:
+            send(["raised", type(e).__name__])
+            continue
+        values = []
+        for source in code:
+            try:
+                values.append(["v", eval(source, ns)])
+            except BaseException as e:
+                values.append(["e", type(e).__name__])
+        report(values)  # after all of the assert's calls returned: the values as the program left them
+
+
+while True:
+    message = receive()
+    if message[0] == "fence":  # from the caller, after this test's process is gone: what came before is over
+        send(["fenced", message[1]])
+    if message[0] != "test":
+        continue
+    test = os.fork()
+    if test == 0:
+        ns = {"__name__": "__main__"}
+        try:  # a crash or sys.exit() while defining things does not skip the test
+            exec(PROGRAM, ns)
+        except BaseException:
+            pass
+        run_test(ns)
+        os._exit(0)
+    os.waitpid(test, 0)
+    if KILL_STRAYS:  # in a pid namespace: what the test started dies with it, before the next test
+        try:
+            os.kill(-1, 9)
+        except OSError:
+            pass
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+    send(["done"])
 """
+
+
 # Evaluated here on the program's plain values: pure builtins (and math), never the program's.
 _LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bin": bin, "bool": bool, "bytes": bytes, "chr": chr,
                 "complex": complex, "dict": dict, "divmod": divmod, "float": float, "frozenset": frozenset,
@@ -848,29 +1054,27 @@ _TEST_ONLY_NODES = (*_LOCAL_NODES, ast.ListComp, ast.SetComp, ast.DictComp, ast.
                     ast.Name, ast.Call, ast.Attribute, ast.keyword, ast.expr_context, ast.operator, ast.unaryop,
                     ast.boolop, ast.cmpop)
 _TEST_ONLY_CALLS = {"range", "enumerate", "zip", "map", "filter"}
-_MAX_ITEMS = 5000  # a larger set or dict of the program's is opaque: colliding hashes make it quadratic
-_MAX_SIZE = 10 ** 7  # items or characters (or bits of an int) that an operation here may make of the program's values
 
-
-class _Opaque:
-    """A value with no plain-data form (an instance of the program's class): equal only to another
-    whose repr is the same, truthy, and good for nothing else."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __eq__(self, other):
-        return isinstance(other, _Opaque) and other.text == self.text
-
-    def __hash__(self):
-        return hash(self.text)
-
-    def __repr__(self):
-        return self.text
+# The judge's cost. The program's values reach this process under a bound checked in the sandbox and again
+# here: per assert at most _MAX_NODES nodes and _MAX_BYTES bytes of encoded data (ints in hex, any size), per run
+# _MAX_RUN_BYTES; past it a value is a counted `too_large` failure. Every operation a check makes on them is
+# bounded before it starts (`_bin`, `_sized`, `_method`, `_fmt`, `_sum`, `_prod`, `_gcd`): ints of at most
+# _MAX_BITS bits out of *, ** and <<, at most _MAX_WORDS machine-word products for //, % and gcd; at most _MAX_SIZE
+# items (an int counting one per 64 bits) out of sequence repetition, sum(), join, replace and a format width; no
+# set or dict of items that share a hash more than _MAX_SAME_HASH times (collisions make building it quadratic).
+# Everything else a check can do is linear in its values (comparisons, len, sorted, in), so one response costs
+# this process time and memory linear in _MAX_RUN_BYTES (measured in test_sandbox.py: below 2 s and 400 MB).
+_MAX_NODES, _MAX_BYTES, _MAX_DEPTH = 1_000_000, 8 << 20, 200
+_MAX_RUN_BYTES = 32 << 20
+_MAX_BITS, _MAX_WORDS, _MAX_SIZE, _MAX_SAME_HASH = 1 << 22, 1 << 27, 10 ** 7, 8
 
 
 class _Raised(Exception):
     pass
+
+
+class _TooLarge(_Raised):
+    """A value over the bound: using it fails the check, and the test counts as too_large."""
 
 
 class _Leaves(dict):
@@ -883,25 +1087,93 @@ class _Leaves(dict):
         return value
 
 
+class _Instance:
+    """An instance of the program's class, as data: its class's name and bases' names and its attributes. Equal to
+    another of the same class with equal attributes (what the program's __eq__ says never counts here)."""
+
+    def __init__(self, mro: tuple, fields: dict):
+        self.mro, self.fields = mro, fields
+
+    def __eq__(self, other):
+        return type(other) is _Instance and other.mro[0] == self.mro[0] and other.fields == self.fields
+
+    def __hash__(self):
+        try:
+            return hash((self.mro[0], tuple(sorted(self.fields.items()))))
+        except TypeError:
+            return hash(self.mro[0])
+
+    def __repr__(self):
+        return f"{self.mro[0]}({', '.join(f'{k}={v!r}' for k, v in self.fields.items())})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Class:
+    """A class of the program's, by name (for isinstance)."""
+    name: str
+
+
+def _size(value: Any, cap: int = _MAX_SIZE) -> int:
+    """Items in `value`, nested ones included (an int counts one per 64 bits, a string one per character), counted
+    up to just past `cap`."""
+    total, todo = 0, [value]
+    while todo and total <= cap:
+        v = todo.pop()
+        total += 1
+        if isinstance(v, int):
+            total += v.bit_length() >> 6
+        elif isinstance(v, (str, bytes)):
+            total += len(v)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, _Instance):
+            todo.extend(v.fields.values())
+    return total
+
+
 def _hash_safe(items: list) -> list:
-    """`items`, unless they are many whose hashes collide (ints k * (2**61 - 1) all hash alike): a set or dict of
-    them takes quadratic time to build here, outside the sandbox's limits. Distinct items rarely collide."""
-    if len(items) > 64 and len({hash(v) for v in items}) < len(items) // 2:
+    """`items`, unless more than _MAX_SAME_HASH of them share a hash (ints k * (2**61 - 1) all hash alike)."""
+    if len(items) > _MAX_SAME_HASH and max(collections.Counter(map(hash, items)).values()) > _MAX_SAME_HASH:
         raise ValueError("colliding hashes")
     return items
 
 
+def _int_cost_ok(op: str, a: int, b: int) -> bool:
+    small, big = sorted((abs(a).bit_length(), abs(b).bit_length()))
+    if op == "Mult":
+        return small <= 64 or small + big <= _MAX_BITS
+    if op == "Pow":
+        return b < 0 or abs(a) <= 1 or b * max(1, abs(a).bit_length()) <= _MAX_BITS
+    if op == "LShift":
+        return b <= _MAX_BITS and abs(a).bit_length() + b <= _MAX_BITS
+    if op in ("FloorDiv", "Mod", "divmod", "gcd"):
+        return (small // 64 + 1) * (big // 64 + 1) <= _MAX_WORDS
+    return True
+
+
+_FORMAT_NUMBER = re.compile(r"\d+")
+
+
+def _format_ok(spec: str) -> bool:
+    """A width or precision of at most _MAX_SIZE; no `*` (its width comes from the values)."""
+    return "*" not in spec and all(len(n) < 9 and int(n) <= _MAX_SIZE for n in _FORMAT_NUMBER.findall(spec))
+
+
 def _bin(op: str, left: Any, right: Any) -> Any:
-    """`left op right` for the checks here, refusing results that would take the caller's memory or time
-    (`[0] * f(x)` with f returning 10**9, `2 ** f(x)`): the sandbox's budget does not cover this process."""
+    """`left op right` for the checks here, refused ("result too large") where it would take this process more
+    than the bounds above (`[0] * f(x)` with f returning 10**9, `3 ** f(x)`, `'%*d' % (f(x), 1)`)."""
+    if isinstance(left, int) and isinstance(right, int) and not _int_cost_ok(op, left, right):
+        raise ValueError("result too large")
     if op == "Mult":
         n, seq = (left, right) if isinstance(left, int) else (right, left)
-        if isinstance(n, int) and isinstance(seq, (str, bytes, list, tuple)) and len(seq) * n > _MAX_SIZE:
+        if isinstance(n, int) and isinstance(seq, (str, bytes, list, tuple)) and n > 0 and (
+                n > _MAX_SIZE or _size(seq, _MAX_SIZE // n) * n > _MAX_SIZE):
             raise ValueError("result too large")
-    elif op in ("Pow", "LShift") and isinstance(left, int) and isinstance(right, int):
-        bits = right if op == "LShift" else right * max(abs(left).bit_length() - 1, 0)
-        if bits > _MAX_SIZE:
-            raise ValueError("result too large")
+    elif op == "Mod" and isinstance(left, (str, bytes)) and not _format_ok(str(left)):
+        raise ValueError("result too large")
     return _BINARY_OPS[op](left, right)
 
 
@@ -912,14 +1184,113 @@ _BINARY_OPS = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lam
                "BitAnd": lambda a, b: a & b}
 
 
+def _fmt(value: Any, conversion: int, spec: str) -> str:
+    """An f-string's `{value!conversion:spec}`, its width and precision bounded."""
+    if not _format_ok(spec):
+        raise ValueError("result too large")
+    value = {115: str, 114: repr, 97: ascii}.get(conversion, lambda v: v)(value)
+    return format(value, spec)
+
+
+def _method(obj: Any, name: str, *args, **kwargs) -> Any:
+    """`obj.name(*args)` with the results of join and replace bounded, and the items a set method hashes checked."""
+    if name == "join" and args:
+        items = list(args[0])
+        if sum(len(x) if isinstance(x, (str, bytes)) else 1 for x in items) + len(obj) * len(items) > _MAX_SIZE:
+            raise ValueError("result too large")
+        args = (items,)
+    elif name == "replace" and len(args) >= 2 and isinstance(obj, (str, bytes)):
+        if len(obj) + (len(obj) + 1) * len(args[1]) > _MAX_SIZE and args[0] in obj:
+            raise ValueError("result too large")
+    elif name in ("union", "intersection", "difference", "issubset", "issuperset", "isdisjoint"):
+        args = tuple(a if isinstance(a, (set, frozenset, dict)) else _hash_safe(list(a)) for a in args)
+    return getattr(obj, name)(*args, **kwargs)
+
+
+def _int_loop_ok(items: list, start: Any) -> bool:
+    """sum() or prod() over ints: each step makes a new int as large as the running result, so the work is at most
+    the count times the result's size (for a product, the sum of the operands' sizes)."""
+    ints = [x for x in (*items, start) if isinstance(x, int)]
+    bits = sum(abs(x).bit_length() for x in ints)
+    return len(ints) * (bits // 64 + 1) <= _MAX_WORDS
+
+
+def _sum(items, start=0):
+    items = list(items)
+    if not isinstance(start, (int, float, complex)) or any(isinstance(x, (list, tuple, str, bytes)) for x in items):
+        if len(items) * _size(items, _MAX_SIZE) > _MAX_SIZE * 10:  # each + copies what came before
+            raise ValueError("result too large")
+    elif not _int_loop_ok(items, start):
+        raise ValueError("result too large")
+    return sum(items, start)
+
+
+def _prod(items, start=1):
+    items = list(items)
+    if not _int_loop_ok(items, start):
+        raise ValueError("result too large")
+    for x in items:
+        start = _bin("Mult", start, x)
+    return start
+
+
+def _gcd(*ints):
+    for a in ints:
+        for b in ints:
+            if isinstance(a, int) and isinstance(b, int) and not _int_cost_ok("gcd", a, b):
+                raise ValueError("result too large")
+    return pymath.gcd(*ints)
+
+
+def _divmod(a, b):
+    if isinstance(a, int) and isinstance(b, int) and not _int_cost_ok("divmod", a, b):
+        raise ValueError("result too large")
+    return divmod(a, b)
+
+
+def _round(x, *ndigits):
+    if ndigits and isinstance(ndigits[0], int) and abs(ndigits[0]) > 10_000:
+        raise ValueError("result too large")
+    return round(x, *ndigits)
+
+
+def _isinstance(value, kind):
+    if isinstance(kind, _Class):
+        return isinstance(value, _Instance) and kind.name in value.mro
+    if isinstance(kind, tuple) and any(isinstance(k, _Class) for k in kind):
+        return any(_isinstance(value, k) for k in kind)
+    return isinstance(value, kind)
+
+
 class _GuardOps(ast.NodeTransformer):
-    """Every binary operation of a check goes through `_bin`."""
+    """Routes a check's costly operations through the bounded versions above: binary operations (`_bin`), the
+    methods that can blow up (`_method`), f-string fields (`_fmt`) and set displays (`_sized(set)`)."""
 
     def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
         self.generic_visit(node)
         return ast.copy_location(ast.Call(func=ast.Name(id="_bin", ctx=ast.Load()),
                                           args=[ast.Constant(type(node.op).__name__), node.left, node.right],
                                           keywords=[]), node)
+
+    def visit_Call(self, node: ast.Call) -> ast.expr:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and node.func.attr in _LOCAL_METHODS:
+            return ast.copy_location(ast.Call(func=ast.Name(id="_method", ctx=ast.Load()),
+                                              args=[node.func.value, ast.Constant(node.func.attr), *node.args],
+                                              keywords=node.keywords), node)
+        return node
+
+    def visit_Set(self, node: ast.Set) -> ast.expr:
+        self.generic_visit(node)
+        return ast.copy_location(ast.Call(func=ast.Name(id="set", ctx=ast.Load()),
+                                          args=[ast.List(elts=node.elts, ctx=ast.Load())], keywords=[]), node)
+
+    def visit_FormattedValue(self, node: ast.FormattedValue) -> ast.expr:
+        self.generic_visit(node)
+        spec = node.format_spec or ast.Constant("")
+        call = ast.Call(func=ast.Name(id="_fmt", ctx=ast.Load()), args=[node.value, ast.Constant(node.conversion),
+                        spec], keywords=[])
+        return ast.copy_location(ast.FormattedValue(value=call, conversion=-1, format_spec=None), node)
 
 
 def _sized(make: Callable) -> Callable:
@@ -928,7 +1299,7 @@ def _sized(make: Callable) -> Callable:
     def call(*args, **kwargs):
         if args and type(args[0]) is int and args[0] > _MAX_SIZE:
             raise ValueError("result too large")
-        if make in (set, frozenset, dict) and args and isinstance(args[0], (list, tuple, str, bytes)):
+        if make in (set, frozenset, dict) and args and not isinstance(args[0], (set, frozenset, dict)):
             items = list(args[0])
             _hash_safe([item[0] if make is dict and isinstance(item, (list, tuple)) and item else item
                         for item in items])
@@ -937,26 +1308,67 @@ def _sized(make: Callable) -> Callable:
     return call
 
 
-def _decode(x: Any) -> Any:
-    tag = x[0]
-    if tag in ("n", "b", "s"):
-        return None if tag == "n" else x[1] if tag == "b" else str(x[1])
-    if tag in ("i", "f", "c"):
-        return {"i": int, "f": float, "c": complex}[tag](x[1])
+def _decode(x: Any, budget: list, depth: int = 0) -> Any:
+    """A value the sandbox encoded (see _HARNESS's enc), checked again here: the program may write anything."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > _MAX_DEPTH:
+        raise _TooLarge("too_large")
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    tag, rest = x[0], x[1:]
+    if tag == "i":
+        if len(rest[0]) > 2 * _MAX_BYTES:
+            raise _TooLarge("too_large")
+        return int(rest[0], 16)
+    if tag in ("f", "c"):
+        return float(rest[0]) if tag == "f" else complex(float(rest[0]), float(rest[1]))
     if tag == "y":
-        return bytes.fromhex(x[1])
-    if tag in ("S", "F", "d") and len(x[1]) > _MAX_ITEMS:
-        return _Opaque(f"{tag}:{len(x[1])} items")
-    if tag in ("l", "t"):
-        return (list if tag == "l" else tuple)(_decode(v) for v in x[1])
-    if tag in ("S", "F"):
-        return (set if tag == "S" else frozenset)(_hash_safe([_decode(v) for v in x[1]]))
+        return bytes.fromhex(rest[0])
+    if tag in ("l", "t", "S", "F"):
+        items = [_decode(v, budget, depth + 1) for v in rest]
+        if tag in ("S", "F"):
+            return (set if tag == "S" else frozenset)(_hash_safe(items))
+        return items if tag == "l" else tuple(items)
     if tag == "d":
-        keys = _hash_safe([_decode(k) for k, _ in x[1]])
-        return dict(zip(keys, (_decode(v) for _, v in x[1])))
+        pairs = [(_decode(k, budget, depth + 1), _decode(v, budget, depth + 1)) for k, v in rest]
+        return dict(zip(_hash_safe([k for k, _ in pairs]), (v for _, v in pairs)))
+    if tag == "q":
+        return fractions.Fraction(_decode(rest[0], budget), _decode(rest[1], budget))
+    if tag == "o":
+        fields = {str(name): _decode(v, budget, depth + 1) for name, v in rest[1:]}
+        return _Instance(tuple(str(n) for n in rest[0]), fields)
+    if tag == "T":
+        return _Class(str(rest[0]))
+    if tag == "z":
+        raise _TooLarge("too_large")
     if tag == "e":
-        return _Raised(str(x[1])[:100])
-    return _Opaque(str(x[1])[:1000])
+        return _Raised(str(rest[0])[:100])
+    return _Raised(f"unsupported value {str(rest[0])[:100]}")  # "u": a type with no plain form here
+
+
+def _decode_values(values: list) -> list:
+    """An assert's reported values; one that raised, is too large or is malformed reads as that failure."""
+    budget, out = [_MAX_NODES], []
+    for value in values if isinstance(values, list) else []:
+        try:
+            out.append(_decode(value, budget))
+        except _TooLarge as e:
+            out.append(e)
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError, RecursionError, ZeroDivisionError):
+            out.append(_Raised("malformed report"))
+    return out
+
+
+_GUARDED_MATH = types.SimpleNamespace(**{name: getattr(pymath, name) for name in _LOCAL_MATH} | {
+    "prod": _prod, "gcd": _gcd})
+
+
+def _check_namespace() -> dict:
+    """Where a test's checks run: pure builtins and math, the costly ones bounded; never the program's."""
+    return {"__builtins__": {}, "math": _GUARDED_MATH, **_LOCAL_CALLS, "range": range, "enumerate": enumerate,
+            "zip": zip, "map": map, "filter": filter, "_bin": _bin, "_fmt": _fmt, "_method": _method,
+            "sum": _sum, "divmod": _divmod, "round": _round, "isinstance": _isinstance,
+            **{name: _sized(_LOCAL_CALLS[name]) for name in ("set", "frozenset", "dict", "bytes")}}
 
 
 def _is_local(node: ast.expr, names: set[str]) -> bool:
@@ -984,27 +1396,30 @@ def _test_only(node: ast.expr, names: set[str]) -> bool:
     return True
 
 
-def _split(node: ast.expr, leaves: list[str], names: set[str]) -> ast.expr:
+def _split(node: ast.expr, leaves: list[str], names: set[str], set_here: set[str] = frozenset()) -> ast.expr:
     """`node` with each maximal part that needs the program replaced by a name `_v<k>` (its source
-    appended to `leaves`, for the sandbox to evaluate)."""
+    appended to `leaves`, for the sandbox to evaluate). A name of `set_here` that a leaf reads is read there
+    from then on (`names` loses it): the program's call may have changed it."""
     if _is_local(node, names) or _test_only(node, names):
         return node
     method = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LOCAL_METHODS
     if method:  # `f(x).strip()`: the method of the plain value it reported, called here
-        node.func.value = _split(node.func.value, leaves, names)
+        node.func.value = _split(node.func.value, leaves, names, set_here)
     if method or isinstance(node, ast.Call) and _is_local(node.func, names):
-        node.args = [_split(a, leaves, names) for a in node.args]
+        node.args = [_split(a, leaves, names, set_here) for a in node.args]
         for kw in node.keywords:
-            kw.value = _split(kw.value, leaves, names)
+            kw.value = _split(kw.value, leaves, names, set_here)
         return node
     if isinstance(node, _LOCAL_NODES):
         for field, value in ast.iter_fields(node):
             if isinstance(value, ast.expr):
-                setattr(node, field, _split(value, leaves, names))
+                setattr(node, field, _split(value, leaves, names, set_here))
             elif isinstance(value, list):
-                setattr(node, field, [_split(v, leaves, names) if isinstance(v, ast.expr) else v for v in value])
+                setattr(node, field, [_split(v, leaves, names, set_here) if isinstance(v, ast.expr) else v
+                                      for v in value])
         return node
     leaves.append(ast.unparse(node))
+    names.difference_update(set_here & {n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
     return ast.copy_location(ast.Name(id=f"_v{len(leaves) - 1}", ctx=ast.Load()), node)
 
 
@@ -1049,12 +1464,20 @@ def _calls_shadowed_builtin(node: ast.expr, shadowed: set[str], names: set[str])
                for n in ast.walk(node))
 
 
+_MUTABLE_NODES = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Call)
+
+
 def _plan_test(test: str, shadowed: set[str], imported: set[str] = frozenset()) -> tuple[list, list] | None:
-    """(steps for the sandbox: ["exec", source] runs there, ["eval", [sources]] reports values;
-    steps here: ("check", j, expression over the values of step j, how many) per top-level assert,
-    ("set", statement) for `name = <test-only expression>`, so that an expected value the test
-    keeps in a variable is computed here, out of the program's reach: it is sent to the sandbox only where a
-    later step there reads it). None: no such assert, or one whose verdict the program could forge.
+    """(steps for the sandbox: [kind, source, pre], "exec" runs a statement there, "eval" reports the values of
+    [sources], each after running `pre`; steps here: ("check", j, expression over the values of step j, how many)
+    per top-level assert, ("set", statement) for `name = <test-only expression>`, so that an expected value the
+    test keeps in a variable is computed here, out of the program's reach). None: no such assert, or one whose
+    verdict the program could forge.
+
+    A name set here reaches the sandbox only right before the first step there that reads it (an input, not an
+    expected value: `expected = 4` then `assert f(2) == expected` must not let f return `expected`). Once a step
+    there has read it, the program may have changed it (an in-place contract: `sort_in_place(xs)`), so later
+    checks read its value there, not the copy here.
 
     `shadowed`: names the program defines at top level; builtins and math here are always the real ones.
     `imported`: names the program imports (a module's function is not the program's answer)."""
@@ -1065,19 +1488,25 @@ def _plan_test(test: str, shadowed: set[str], imported: set[str] = frozenset()) 
     names = set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | {"math"}
     not_program = set(imported)  # roots whose sandbox value is not the program's: the test's helpers, imports
     steps, here, sets = [], [], {}
+    set_here: set[str] = set()
+
+    def touch(sources: list[str]) -> None:  # names set here that a sandbox step reads: its values from now on
+        names.difference_update(set_here & {n.id for s in sources for n in ast.walk(ast.parse(s))
+                                            if isinstance(n, ast.Name)})
+
     for stmt in tree.body:
         if isinstance(stmt, ast.Assert):
             if _calls_shadowed_builtin(stmt.test, shadowed, names):
                 return None
             leaves: list[str] = []
-            split = _GuardOps().visit(_split(stmt.test, leaves, names))
+            split = _GuardOps().visit(_split(stmt.test, leaves, names, set_here))
             if not all(_program_value(ast.parse(leaf, mode="eval").body, not_program) for leaf in leaves):
                 return None
-            steps.append(["eval", leaves])
+            steps.append(["eval", leaves, []])
             expr = ast.fix_missing_locations(ast.Expression(split))
             here.append(("check", len(steps) - 1, compile(expr, "<test>", "eval"), len(leaves)))
             continue
-        steps.append(["exec", ast.unparse(stmt)])
+        steps.append(["exec", ast.unparse(stmt), []])
         if isinstance(stmt, ast.Import) and [(a.name, a.asname) for a in stmt.names] == [("math", None)]:
             continue  # math here is our own
         if isinstance(stmt, ast.ImportFrom) and stmt.module == "math" and all(
@@ -1092,10 +1521,16 @@ def _plan_test(test: str, shadowed: set[str], imported: set[str] = frozenset()) 
         if simple and _test_only(stmt.value, names):
             here.append(("set", compile(ast.Module([stmt], []), "<test>", "exec")))
             names.add(stmt.targets[0].id)
+            set_here.discard(stmt.targets[0].id)
+            if any(isinstance(n, _MUTABLE_NODES) or isinstance(n, ast.Name) and n.id in set_here
+                   for n in ast.walk(stmt.value)):  # a list, dict, set (or an alias of one): a call may change it
+                set_here.add(stmt.targets[0].id)
             not_program.discard(stmt.targets[0].id)
             sets[len(steps) - 1] = stmt.targets[0].id
             continue
+        touch([steps[-1][1]])
         names -= stored
+        set_here -= stored
         # `result = f(2)`: the program's answer under a name; `ok = f(2) == 4`, a `def`, an import: not
         if isinstance(stmt, ast.Assign) and _program_value(stmt.value, not_program):
             not_program -= stored
@@ -1103,16 +1538,23 @@ def _plan_test(test: str, shadowed: set[str], imported: set[str] = frozenset()) 
             not_program |= stored
     if not any(h[0] == "check" for h in here):
         return None
-    # The test's own values reach the sandbox only where a later step there reads them (an input, not an
-    # expected value: `expected = 4` then `assert f(2) == expected` must not let f return `expected`).
-    read: set[str] = set()
-    for k in range(len(steps) - 1, -1, -1):
-        if k in sets and sets[k] not in read:
-            steps[k] = ["exec", "pass"]
-            continue
-        for source in (steps[k][1] if steps[k][0] == "eval" else [steps[k][1]]):
-            read |= {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    _defer_sets(steps, sets)
     return steps, here
+
+
+def _defer_sets(steps: list, sets: dict[int, str]) -> None:
+    """Move each test-only assignment to the `pre` of the first later sandbox step that reads its name (drop it
+    where a step rebinds the name first, or none reads it)."""
+    for k, name in reversed(list(sets.items())):  # the last first: an earlier one may be read by its source
+        source, steps[k] = steps[k][1], ["exec", "pass", []]
+        for step in steps[k + 1:]:
+            trees = [ast.parse(s) for s in [*step[2], *(step[1] if step[0] == "eval" else [step[1]])]]
+            if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+                   for t in trees for n in ast.walk(t)):
+                step[2].insert(0, source)
+                break
+            if any(name in _bound_names(stmt) for t in trees[len(step[2]):] for stmt in t.body):
+                break
 
 
 def _top_level_names(program: str) -> tuple[set[str], set[str]]:
@@ -1129,50 +1571,118 @@ def _top_level_names(program: str) -> tuple[set[str], set[str]]:
     return defined, imported
 
 
-def _reports(channel: str, plans: list) -> dict[tuple[int, int], list | None]:
-    """(test, step) -> the values the sandbox reported for an assert; None where reports disagree.
-    Each decoded once, and only where an assert waits for it: the program may write anything here."""
-    expected = {(i, step[1]) for i, plan in enumerate(plans) if plan for step in plan[1] if step[0] == "check"}
-    raw: dict = {}
-    for line in channel.splitlines():
-        try:
-            i, j, values = json.loads(line)
-            key = (int(i), int(j))
-            text = json.dumps(values) if key in expected else None
-        except (ValueError, TypeError, RecursionError):
-            continue
-        if text is not None:
-            raw[key] = text if raw.get(key, text) == text else None
-    out: dict = {}
-    for key, text in raw.items():
-        try:
-            out[key] = None if text is None else [_decode(v) for v in json.loads(text)]
-        except (ValueError, TypeError, IndexError, KeyError, RecursionError):
-            out[key] = None
-    return out
+class _Channel:
+    """Both ends of the conversation with the harness: one JSON line each way, every wait bounded by the run's
+    deadline, every report by _MAX_BYTES, all of them together by _MAX_RUN_BYTES (past it: closed, too_large)."""
 
+    def __init__(self, req: int, rep: int, deadline: float):
+        self.req, self.rep, self.deadline = req, rep, deadline
+        self.pending, self.received, self.closed, self.too_large = b"", 0, False, False
+        os.set_blocking(req, False)
+        os.set_blocking(rep, False)
 
-def _test_passed(i: int, plan: tuple[list, list] | None, reports: dict) -> bool:
-    if plan is None:
-        return False
-    namespace = {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS, "range": range, "enumerate": enumerate,
-                 "zip": zip, "map": map, "filter": filter, "_bin": _bin,
-                 **{name: _sized(_LOCAL_CALLS[name]) for name in ("set", "frozenset", "dict", "bytes")}}
-    for step in plan[1]:
-        try:
-            if step[0] == "set":  # the test's own constant, e.g. `expected = [1, 2]`
-                exec(step[1], namespace)
+    def send(self, message: list) -> bool:
+        data = (json.dumps(message) + "\n").encode()
+        while data and not self.closed:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.req], [], left)[1]:
+                self.closed = True
+                break
+            try:
+                data = data[os.write(self.req, data):]
+            except BlockingIOError:
                 continue
-            _, j, check, num_leaves = step
-            values = reports.get((i, j))
-            if values is None or len(values) != num_leaves:
-                return False
-            if not eval(check, namespace, _Leaves((f"_v{k}", v) for k, v in enumerate(values))):
-                return False
-        except Exception:  # raised in the sandbox, or here (a type error on the program's values)
-            return False
-    return True
+            except OSError:
+                self.closed = True
+        return not self.closed
 
+    def receive(self) -> Any:
+        """The next line, decoded as JSON (None: the harness is gone, the run ran out of time or bytes)."""
+        while b"\n" not in self.pending and not self.closed:
+            left = self.deadline - time.monotonic()
+            if len(self.pending) > _MAX_BYTES + 4096 or self.received > _MAX_RUN_BYTES:
+                self.closed = self.too_large = True
+                break
+            if left <= 0 or not select.select([self.rep], [], [], left)[0]:
+                self.closed = True
+                break
+            try:
+                chunk = os.read(self.rep, 1 << 20)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            self.closed = not chunk
+            self.pending += chunk
+            self.received += len(chunk)
+        if b"\n" not in self.pending:
+            return None
+        line, self.pending = self.pending.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except (ValueError, RecursionError):  # not the harness's: nothing after it can be trusted either
+            self.closed = True
+            return None
+
+
+def _run_test(plan: tuple[list, list], channel: _Channel) -> str:
+    """One test in a fresh process of the harness: its steps one at a time, each judged as its report comes.
+    -> "pass", "fail" or "too_large"."""
+    steps, here = plan
+    namespace, h, verdict, ended = _check_namespace(), 0, "pass", False
+    if not channel.send(["test"]):
+        return "too_large" if channel.too_large else "fail"
+    for j, (kind, code, pre) in enumerate(steps):
+        if kind == "exec" and code == "pass" and not pre:
+            continue
+        report = channel.receive() if channel.send([kind, code, pre]) else None
+        if not isinstance(report, list) or not report or report[0] == "done":
+            ended = isinstance(report, list) and report[:1] == ["done"]
+            verdict = "too_large" if channel.too_large else "fail"
+            break
+        if kind == "exec":
+            if report != ["ok"]:  # every failed step fails its test
+                verdict = "fail"
+                break
+            continue
+        values = _decode_values(report[1]) if report[0] == "values" and len(report) == 2 else []
+        while h < len(here) and here[h][0] == "set":
+            exec(here[h][1], namespace)  # the test's own constant, e.g. `expected = [1, 2]`
+            h += 1
+        verdict = _check(here[h], values, namespace)
+        h += 1
+        if verdict != "pass":
+            break
+    if not (ended or channel.send(["end", None, []]) and _reads_only(channel, ["done"])):
+        verdict = "fail"
+    # A fence: a nonce the harness echoes once this test's process is gone. A line between the test's last report
+    # and the echo (a report of a step that raised, after the program had forged its "ok" and "done") fails it.
+    nonce = secrets.token_hex(8)
+    if not (channel.send(["fence", nonce]) and _reads_only(channel, ["fenced", nonce])):
+        verdict = "too_large" if channel.too_large else "fail"
+    return verdict
+
+
+def _reads_only(channel: _Channel, wanted: list) -> bool:
+    """Read up to the line `wanted`: True if no other line came first (a closed channel: False)."""
+    clean = True
+    while (line := channel.receive()) is not None:
+        if line == wanted:
+            return clean
+        clean = False
+    return False
+
+
+def _check(check: tuple, values: list, namespace: dict) -> str:
+    _, _, expr, num_leaves = check
+    if len(values) != num_leaves:
+        return "fail"
+    try:
+        return "pass" if eval(expr, namespace, _Leaves((f"_v{k}", v) for k, v in enumerate(values))) else "fail"
+    except _TooLarge:
+        return "too_large"
+    except Exception:  # raised in the sandbox, or here (a type error on the program's values, a refused cost)
+        return "fail"
 
 
 def judgeable(test: str) -> bool:
@@ -1181,33 +1691,46 @@ def judgeable(test: str) -> bool:
 
 
 def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int) -> dict:
-    """Run `program` once in a sandbox with the parts of `tests` that need it, and judge each test here.
-    Returns {"passed", "judged", "unsupported", "status", "seconds", "stderr"}; status "sandbox_error" when the
-    sandbox could not start (nothing was judged)."""
+    """Run `program` in a sandbox, each of `tests` in a fresh process of it, and judge each test here on the
+    values of its program parts. Returns {"passed", "judged", "unsupported", "too_large", "status", "seconds",
+    "stderr"}; status "sandbox_error" when the sandbox could not start (nothing was judged)."""
     try:
         shadowed, imported = _top_level_names(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         shadowed, imported = set(), set()
     plans = [_plan_test(t, shadowed, imported) for t in tests]
-    verdict = {"passed": 0, "judged": sum(plan is not None for plan in plans),
+    verdict = {"passed": 0, "judged": sum(plan is not None for plan in plans), "too_large": 0,
                "unsupported": sum(plan is None for plan in plans), "status": "unsupported", "seconds": 0.0,
                "stderr": ""}
     if not verdict["judged"]:
         return verdict
-    harness = _HARNESS.format(tests=[plan[0] if plan else [] for plan in plans])
+    mode = sandbox_mode()
+    harness = _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH)), 1).replace(
+        "KILL_STRAYS", repr(mode != "none"), 1)
+
+    def converse(req: int, rep: int, deadline: float) -> list[str]:
+        channel = _Channel(req, rep, deadline)
+        return [_run_test(plan, channel) if plan else "unsupported" for plan in plans]
+
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
-                        timeout=timeout, memory_mb=memory_mb, channel=True)
+                        timeout=timeout, memory_mb=memory_mb, converse=converse, mode=mode)
     verdict.update(status=run["status"], seconds=round(run["seconds"], 3), stderr=run["stderr"][-500:])
-    if run["status"] != "sandbox_error":
-        reports = _reports(run["channel"], plans) if run["status"] != "output_limit" else {}  # a flood fails all
-        verdict["passed"] = sum(_test_passed(i, plan, reports) for i, plan in enumerate(plans) if plan is not None)
+    results = run.get("conversation") or [] if run["status"] != "output_limit" else []  # a flood fails all
+    verdict.update(passed=results.count("pass"), too_large=results.count("too_large"))
     return verdict
+
+
+def _same_tokens(out: str, expected: str) -> bool:
+    """Whitespace-separated tokens equal, compared one pair at a time (no list of millions of tokens here)."""
+    pairs = itertools.zip_longest(re.finditer(r"\S+", out), re.finditer(r"\S+", expected))
+    return all(a is not None and b is not None and a.group() == b.group() for a, b in pairs)
 
 
 def run_stdio_tests(program: str, tests: list[tuple[str, str]], timeout: float, memory_mb: int,
                     budget: float | None) -> dict:
     """One sandboxed run of `program` per (stdin, expected stdout) test, within `budget` seconds in all (tests
-    not reached fail, status "budget"); stdout compared token by token here. Returns {"passed", "statuses",
+    not reached fail, status "budget"); stdout, all of it up to the file-size limit (_FSIZE, 16 MB; past it the
+    test fails with status "output_limit"), compared token by token here. Returns {"passed", "statuses",
     "status"}, status "sandbox_error" (with "stderr") when the sandbox could not start."""
     deadline = time.monotonic() + (budget or float("inf"))
     passed, statuses = 0, []
@@ -1217,10 +1740,10 @@ def run_stdio_tests(program: str, tests: list[tuple[str, str]], timeout: float, 
             statuses.append("budget")
             continue
         run = run_sandboxed({"solution.py": program}, [sys.executable, "solution.py"], stdin_text,
-                            timeout=min(timeout, remaining), memory_mb=memory_mb)
+                            timeout=min(timeout, remaining), memory_mb=memory_mb, max_output=_FSIZE)
         if run["status"] == "sandbox_error":
             return {"passed": 0, "statuses": statuses, "status": "sandbox_error", "stderr": run["stderr"][-500:]}
-        ok = run["status"] == "ok" and run["stdout"].split() == expected.split()
+        ok = run["status"] == "ok" and _same_tokens(run["stdout"], expected)
         passed += ok
         statuses.append("pass" if ok else run["status"])
     return {"passed": passed, "statuses": statuses, "status": "ok"}

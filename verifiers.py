@@ -1402,7 +1402,7 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
         return _fail("sandbox_error", program[:2000], message=verdict["stderr"])
     if not verdict["judged"]:  # no top-level assert to judge out of the program's reach: the label's fault, never a 0
         return _fail("unsupported_tests", program[:2000], message="no test is a top-level assert statement")
-    details = {key: verdict[key] for key in ("passed", "status", "unsupported", "seconds", "stderr")}
+    details = {key: verdict[key] for key in ("passed", "status", "unsupported", "too_large", "seconds", "stderr")}
     return VerifierResult(verdict["passed"] / verdict["judged"], None, program[:2000],
                           details={**details, "total": len(tests)})
 
@@ -1443,7 +1443,8 @@ def code_stdio(response: str, label: Any, code_timeout: float = 5.0, code_memory
     if run["status"] == "sandbox_error":
         return _fail("sandbox_error", program[:2000], message=run["stderr"])
     return VerifierResult(run["passed"] / len(tests), None, program[:2000],
-                          details={"passed": run["passed"], "total": len(tests), "statuses": run["statuses"]})
+                          details={"passed": run["passed"], "total": len(tests), "statuses": run["statuses"],
+                                   "output_limit": run["statuses"].count("output_limit")})
 
 
 # ---------------------------------------------------------------------------------------------

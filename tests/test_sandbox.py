@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -129,7 +130,8 @@ def test_code_sandbox_isolation():
               "def uid():\n    return os.getuid()\n"
               "def tmp_listing():\n    return os.listdir('/tmp')\n"
               "def exists(path):\n    return os.path.exists(path)\n"
-              "def pids():\n    return os.getpid(), os.getppid()\n")
+              "def pids():\n    return os.getpid(), os.getppid()\n"
+              "def nprocs():\n    return len([p for p in os.listdir('/proc') if p.isdigit()])\n")
     tests = [
         f"assert loopback_blocked({port})",  # our loopback is not its loopback
         f"assert cannot_write({target!r})",  # not root
@@ -137,7 +139,7 @@ def test_code_sandbox_isolation():
         "assert 'solution.py' in tmp_listing()",  # private /tmp = workdir
         f"assert not exists({os.path.join(REPO, 'verifiers.py')!r})",  # only the interpreter's dirs
         f"assert not exists('/proc/{os.getpid()}/environ')",  # nor this process's secrets
-        "assert pids() == (1, 0)",  # nobody else in its pid namespace
+        "assert pids()[1] == 1 and nprocs() == 2",  # nobody in its pid namespace but its test and the harness
     ]
     r = verify("code", py(probes), tests, code_timeout=5)
     server.close()
@@ -191,7 +193,7 @@ def unprivileged(tmp_path_factory):
 # score, seconds, the processes it left behind (orphans come to this process, a subreaper), and
 # the peak memory (PSS) of everything below this process while it ran.
 _DRIVER = r"""
-import ctypes, json, os, sys, threading, time
+import ctypes, json, os, resource, sys, threading, time
 import sandbox as S
 import verifiers as V
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
@@ -234,24 +236,35 @@ def watch(limit_mb, peak, stop):
         time.sleep(0.02)
 
 
-programs, tests, kwargs, kill_above_mb = json.loads(sys.argv[1])
+programs, tests, kwargs, kill_above_mb = json.loads(sys.stdin.read())
 if kwargs.pop("no_sandbox", False):  # as where no isolation exists: the caller's uid, no cgroup
     S._SANDBOX.update({"mode": "none", "cgroup": {}})
 for _ in range(kwargs.pop("idle_threads", 0)):  # a trainer's threads count against RLIMIT_NPROC too
     threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+verifier = kwargs.pop("verifier", "code")
+per_program_tests = kwargs.pop("per_program_tests", {})
+keyctl = ctypes.CDLL(None, use_errno=True).syscall
+if kwargs.pop("session_key", False):  # a session keyring holding a key, as PAM / systemd give a login
+    SYS = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+    assert keyctl(SYS[1], 1, None) > 0  # KEYCTL_JOIN_SESSION_KEYRING, anonymous
+    assert keyctl(SYS[0], b"user", b"caller_secret", b"s3cret", ctypes.c_size_t(6), -3) > 0
 out = {"mode": S._sandbox_mode()}
 for name, program in programs.items():
     peak, stop = [0.0], threading.Event()
     watcher = threading.Thread(target=watch, args=(kill_above_mb, peak, stop))
     watcher.start()
-    t0 = time.time()
-    r = V.verify("code", "```python\n" + program + "\n```", tests, **kwargs)
-    seconds = time.time() - t0
+    t0, cpu0 = time.time(), time.process_time()
+    r = V.verify(verifier, "```python\n" + program + "\n```", per_program_tests.get(name, tests), **kwargs)
+    seconds, cpu = time.time() - t0, time.process_time() - cpu0
     stop.set()
     watcher.join()
     time.sleep(0.3)  # what escaped has time to show itself
     out[name] = {"score": r.score, "error": r.error, "seconds": seconds, "left": below(os.getpid()),
-                 "peak_mb": peak[0], "stderr": (r.details or {}).get("stderr", "")}
+                 "peak_mb": peak[0], "stderr": (r.details or {}).get("stderr", ""), "details": r.details,
+                 "caller_cpu": cpu, "caller_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+if "SYS" in globals():  # what the session keyring holds now: the caller's key alone
+    buf = ctypes.create_string_buffer(4096)
+    out["session_keys"] = keyctl(SYS[1], 11, -3, buf, 4096) // 4  # KEYCTL_READ: 4 bytes a key
 print(json.dumps(out))
 """
 
@@ -259,7 +272,7 @@ print(json.dumps(out))
 def _drive(prefix: list[str], programs: dict, tests=DOUBLE_TESTS, kill_above_mb: float = 2048, **kwargs) -> dict:
     kwargs.setdefault("code_timeout", 2)
     kwargs.setdefault("code_memory_mb", 512)
-    out = subprocess.run([*prefix, "-c", _DRIVER, json.dumps([programs, tests, kwargs, kill_above_mb])],
+    out = subprocess.run([*prefix, "-c", _DRIVER], input=json.dumps([programs, tests, kwargs, kill_above_mb]),
                          capture_output=True, text=True, timeout=300, cwd="/tmp",
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -293,8 +306,10 @@ def test_a_sandbox_that_cannot_start_is_an_error_the_program_cannot_forge():
     assert run["status"] == "sandbox_error" and "nonexistent" in run["stderr"], run
     forger = ("import os\nfor fd in range(64):\n    try:\n        os.write(fd, b'Traceback: setup failed')\n"
               "    except OSError:\n        pass\nos._exit(125)")
+    t0 = time.time()
     r = verify("code", py(forger), DOUBLE_TESTS)
-    assert (r.score, r.error, r.details["status"]) == (0.0, None, "exit_125"), r
+    assert (r.score, r.error) == (0.0, None) and r.details["status"] != "sandbox_error", r
+    assert time.time() - t0 < 3, r.details  # its junk on the report pipe ends the run, not a wait for its timeout
 
 
 def test_bubblewrap_mode_where_it_is_installed(monkeypatch, shared_dir):
@@ -530,6 +545,17 @@ HOLD_UNMAPPED = {
                     "        except BlockingIOError:\n            pass\n"
                     "except OSError as e:\n    print(type(e).__name__, e, file=sys.stderr)\n"
                     "print('HELD', held >> 20, file=sys.stderr)\n",
+    # red team: 1.2-1.8 GB of SysV semaphore sets, about 3 GB of xattrs on the sandbox's tmpfs, with a 1 GB budget
+    "sysv_semaphores": "import ctypes, os, sys\ndef f(x):\n    return 2 * x\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                       "held = 0\ntry:\n    for _ in range(200):\n        if libc.semget(0, 32000, 0o1600) < 0:\n"
+                       "            raise OSError(ctypes.get_errno(), 'semget')\n        held += 32000 * 8\n"
+                       "except OSError as e:\n    print(type(e).__name__, e, file=sys.stderr)\n"
+                       "print('HELD', held >> 20, file=sys.stderr)\n",
+    "xattrs": "import os, sys\ndef f(x):\n    return 2 * x\nheld = 0\ntry:\n    for i in range(2000):\n"
+               "        open(f'x{i}', 'w').close()\n        for j in range(16):\n"
+               "            os.setxattr(f'x{i}', f'user.{j}', b'\\x01' * 60000)\n            held += 60000\n"
+               "except OSError as e:\n    print(type(e).__name__, e, file=sys.stderr)\n"
+               "print('HELD', held >> 20, file=sys.stderr)\n",
 }
 
 
@@ -618,7 +644,7 @@ def test_a_run_finds_nothing_an_earlier_run_of_its_uid_left_in_the_keyring():
     if S._sandbox_mode() != "namespace":
         pytest.skip("the namespace mode (root) only: the other modes run in a user namespace of their own")
     runs = [S.run_sandboxed({"k.py": KEYRING}, [sys.executable, "k.py", "add" if i == 0 else "find"]) for i in range(9)]
-    assert int(runs[0]["stdout"]) > 0, runs[0]  # the key was added
+    assert int(runs[0]["stdout"]) < 0, runs[0]  # refused (seccomp): no keyring call reaches the kernel
     assert int(runs[8]["stdout"]) < 0, runs[8]  # the same uid again (8 uids a process): not found
 
 
@@ -675,7 +701,7 @@ def test_those_shapes_still_judge_a_right_program():
     assert (r.score, r.details["unsupported"]) == (1.0, 1), r.details  # the comprehension over f is not judged
     # the test's input reaches the sandbox, its expected value does not
     assert S._plan_test("x = 3\nwant = 6\nassert f(x) == want", set())[0] == [
-        ["exec", "x = 3"], ["exec", "pass"], ["eval", ["f(x)"]]]
+        ["exec", "pass", []], ["exec", "pass", []], ["eval", ["f(x)"], ["x = 3"]]]
     # `sum(1, 2)` with the program's own `def sum`: its function or the builtin? Not judged
     assert S._plan_test("assert sum(1, 2) == 3", {"sum"}) is None
 
@@ -713,13 +739,14 @@ def test_code_judges_common_assert_forms_here():
     assert verify("code", py("def f(xs):\n    return list(xs)"), tests).score == 0.5
     # the expected side of an assert never enters the sandbox; asserts inside a try / a loop are not judged
     plan = S._plan_test("assert f(2) == 4 and g(3) in {5, 6}", set())
-    assert plan[0] == [["eval", ["f(2)", "g(3)"]]]
+    assert plan[0] == [["eval", ["f(2)", "g(3)"], []]]
     assert S._plan_test("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass", set()) is None
     # an expected value the test keeps in a variable is computed here too: f cannot rewrite it in passing
     sneaky = py("def f(x):\n    globals()['expected'] = -1\n    return -1")
     assert verify("code", sneaky, ["expected = [1, 2]\nassert f(0) == expected", "assert f(0) == -1"]).score == 0.5
     plan = S._plan_test("n = 3\nxs = f(n)\nassert xs == list(range(n))\nn = g()\nassert n == 2", set())
-    assert plan[0] == [["exec", "n = 3"], ["exec", "xs = f(n)"], ["eval", ["xs"]], ["exec", "n = g()"], ["eval", ["n"]]]
+    assert plan[0] == [["exec", "pass", []], ["exec", "xs = f(n)", ["n = 3"]], ["eval", ["xs"], []],
+                       ["exec", "n = g()", []], ["eval", ["n"], []]]
 
 
 @needs_sandbox
@@ -767,3 +794,194 @@ def test_code_stdio():
     t0 = time.time()
     r = verify("code_stdio", py("while True:\n    pass"), tests * 3, code_timeout=1, budget=2)
     assert r.score == 0.0 and time.time() - t0 < 4 and "budget" in r.details["statuses"]
+
+
+# ---- the verdict harness and the budgets, red-teamed: each class of attack as root and as the unprivileged user
+
+RAISES_G = GOOD_F + "def g(x):\n    raise ValueError(x)\n"
+SORT_IN_PLACE = "def sort_in_place(xs):\n    xs.sort()\n"
+# Wrong: g raises, after writing the harness's "it returned" and "test over" on the report pipe itself.
+FORGES_OK = GOOD_F + ("import os, sys\ndef g(x):\n    os.write(int(sys.argv[-1]), b'[\"ok\"]\\n[\"done\"]\\n')\n"
+                      "    raise ValueError(x)\n")
+CLEARS_ITS_INPUT = "def total(xs):\n    s = sum(xs)\n    xs.clear()\n    return s\n"
+# Wrong: answers each call with what a later step (or another test) says, read from anywhere in its process.
+READS_AHEAD = (
+    "import gc, re, sys\n"
+    "def _strings():\n    found = []\n    try:\n        found.append(open('harness.py').read())\n"
+    "    except OSError:\n        pass\n    frame = sys._getframe()\n    while frame is not None:\n"
+    "        found += [repr(v) for v in list(frame.f_locals.values()) + list(frame.f_globals.values())]\n"
+    "        frame = frame.f_back\n    found += [repr(o) for o in gc.get_objects() if isinstance(o, (list, tuple))]\n"
+    "    return ' '.join(found)\n"
+    "def encode(s):\n    m = re.search(r\"decode\\(\\\\?'(\\w+)\\\\?'\\)\", _strings())\n"
+    "    return m.group(1) if m else s\n"
+    "def decode(s):\n    m = re.search(r\"encode\\(\\\\?'(\\w+)\\\\?'\\)\", _strings())\n"
+    "    return m.group(1) if m else s\n")
+EXPECTED_FROM_GLOBALS = "def f(x):\n    return globals().get('expected')\ndef g(x):\n    return x + 1\n"
+POINT = "class P:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+SAME_REPR = POINT + "    def __repr__(self):\n        return 'P(1, 2)'\ndef f(x):\n    return P(0, 0)\n"
+VERDICT_CASES = {  # name: (program, tests, score it must get)
+    "failed_step_fails_its_test": (RAISES_G, ["assert f(1) == 2\ng(1)", "g(2)\nassert f(2) == 4", "assert f(3) == 6"],
+                                   1 / 3),
+    "forged_ok_then_raises": (FORGES_OK, ["assert f(1) == 2\ng(1)", "assert f(2) == 4"], 0.5),
+    "in_place_right": (SORT_IN_PLACE, ["xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]"], 1.0),
+    "in_place_wrong": (CLEARS_ITS_INPUT, ["xs = [1, 2]\nassert total(xs) == 3\nassert xs == [1, 2]"], 0.0),
+    "reads_ahead": (READS_AHEAD, ["assert encode('hello') == 'olleh'", "assert decode('olleh') == 'hello'"], 0.0),
+    "expected_from_globals": (EXPECTED_FROM_GLOBALS, ["expected = 4\nassert f(2) == expected\nassert g(expected) == 5"],
+                              0.0),
+    "own_class_right": (POINT + "def f(x):\n    return P(x, 2 * x)\n",
+                        ["assert f(1) == P(1, 2)", "assert isinstance(f(1), P)", "assert f(2).y == 4"], 1.0),
+    "own_class_same_repr": (SAME_REPR, ["assert f(1) == P(1, 2)"], 0.0),
+    "int_of_5000_digits": ("def f(n):\n    return 7 ** n\n", ["assert f(6000) == 7 ** 6000"], 1.0),
+    "list_of_600000": ("def f(n):\n    return list(range(n))\n", ["assert f(600000) == list(range(600000))"], 1.0),
+}
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_a_verdict_the_program_cannot_reach(unprivileged, user):
+    """Red-team findings: a failed step that did not fail its test; an in-place contract judged on a copy taken
+    before the program's call (a right sort_in_place scored 0, a function that clears its input scored 1); other
+    tests' steps and expected values readable in the program's process; a class of the program's compared by
+    its repr; an int of more than 4,300 digits and a legal 5 MB list lost in the channel."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    for name, (program, tests, want) in VERDICT_CASES.items():
+        r = _drive(prefix, {name: program}, tests=tests, code_timeout=10, code_memory_mb=1024)[name]
+        assert r["error"] is None and r["score"] == pytest.approx(want), (user, name, r["details"])
+        assert r["left"] == [], (user, name, r)
+
+
+@needs_sandbox
+def test_a_value_over_the_bound_is_a_counted_too_large_failure():
+    r = verify("code", py("def f(n):\n    return list(range(n))\n"),
+               ["assert f(3000000) == list(range(3000000))", "assert f(3) == [0, 1, 2]"], code_timeout=10)
+    assert (r.score, r.error, r.details["too_large"]) == (0.5, None, 1), r.details
+
+
+STDIO_CASES = {  # name: (program, stdin, expected stdout)
+    "reads_dev_stdin": ("print(int(open('/dev/stdin').read()) * 2)", "21\n", "42\n"),
+    "answer_of_2_mb": ("n = int(input())\nprint(' '.join(['7'] * n))", "1000000\n", "7 " * 1000000),
+}
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_stdio_programs_reading_dev_stdin_or_answering_2_mb(unprivileged, user):
+    """Red-team findings: a stdio program reading /dev/stdin failed as root (the sandbox uid could not reopen the
+    caller's stdin file) and an answer over 1 MB was cut."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    for name, (program, stdin, stdout) in STDIO_CASES.items():
+        r = _drive(prefix, {name: program}, tests=[{"input": stdin, "output": stdout}], verifier="code_stdio",
+                   code_timeout=10, budget=20)[name]
+        assert (r["score"], r["error"]) == (1.0, None), (user, name, r["details"])
+
+
+@needs_sandbox
+def test_a_stdio_answer_over_the_output_limit_is_counted():
+    r = verify("code_stdio", py("import sys\nwhile True:\n    sys.stdout.write('7 ' * 65536)"),
+               [{"input": "", "output": "7"}], code_timeout=5, budget=10)
+    assert (r.score, r.details["statuses"], r.details["output_limit"]) == (0.0, ["output_limit"], 1), r.details
+
+
+P61 = "P = 2 ** 61 - 1\n"
+COSTLY = {  # name: (program, tests): each the caller's work, all refused (score 0) in bounded time and memory
+    "product_of_small_factors": ("def f(x):\n    return [3] * 400000\n", ["import math\nassert math.prod(f(1)) == 0"]),
+    "collisions_half_distinct": (P61 + "def f(x):\n    return [k * P for k in range(60000)] + list(range(60000))\n",
+                                 ["assert len(set(f(1))) == 1", "assert {*f(1)} == {1}"]),
+    "power_of_three": ("def f(x):\n    return 3 if x == 1 else 9999999\n", ["assert f(1) ** f(2) * f(1) ** f(2) == 0"]),
+    "product_of_two_big_ints": ("def f(x):\n    return 7 ** 3000000\n", ["assert f(1) * f(2) == 0",
+                                                                         "assert f(1) % (f(2) // 3) == 1"]),
+    "format_width": ("def f(x):\n    return 10 ** 9\n",
+                     ["assert f'{f(1):>{f(2)}}' == 'x'", "assert '%*d' % (f(1), 1) == 'x'"]),
+    "sum_of_lists": ("def f(x):\n    return [[0]] * 200000\n", ["assert sum(f(1), []) == []"]),
+    "repeat_a_big_list": ("def f(x):\n    return list(range(400000))\n", ["assert [f(1)] * 30000 == [f(2)] * 30000"]),
+    "replace_blowup": ("def f(x):\n    return 'a' * 1000000 if x == 1 else 'b' * 1000000\n",
+                       ["assert f(1).replace('', f(2)) == 'x'"]),
+}
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_judging_costs_the_caller_a_bounded_time_and_memory(unprivileged, user):
+    """Red-team findings: values built so that judging them cost the caller 55-131 s of CPU for one response
+    (a product of many small factors, collisions tuned to the hash check, a power the guard undercounted).
+    The caller's CPU time and peak memory for each, measured in a fresh process."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    out = _drive(prefix, {name: program for name, (program, _) in COSTLY.items()}, tests=[], code_timeout=10,
+                 code_memory_mb=1024, per_program_tests={name: tests for name, (_, tests) in COSTLY.items()})
+    for name in COSTLY:
+        r = out[name]
+        print(f"\n{user} {name}: caller {r['caller_cpu']:.2f} s CPU, max RSS {r['caller_maxrss_mb']:.0f} MB, "
+              f"{r['seconds']:.2f} s in all")
+        assert r["error"] is None and r["score"] == 0.0, (user, name, r["details"])
+        assert r["caller_cpu"] < 2.0 and r["caller_maxrss_mb"] < 400, (user, name, r)
+
+
+KEYS = ("import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+        "ADD, CTL = {'x86_64': (248, 250), 'aarch64': (217, 219)}[os.uname().machine]\n"
+        "def f(x):\n    return 2 * x\n"
+        "for ring in (-1, -2, -3, -4, -5):  # thread, process, session, user, user-session\n"
+        "    if libc.syscall(CTL, 10, ring, b'user', b'caller_secret', 0) > 0:  # KEYCTL_SEARCH\n"
+        "        print('FOUND in', ring, file=sys.stderr)\n"
+        "    if libc.syscall(ADD, b'user', b'planted', b'x', ctypes.c_size_t(1), ring) > 0:\n"
+        "        print('PLANTED in', ring, file=sys.stderr)\n"
+        "persistent = libc.syscall(CTL, 22, -1, -4)  # KEYCTL_GET_PERSISTENT, linked into the user keyring\n"
+        "if persistent > 0 and libc.syscall(ADD, b'user', b'planted', b'x', ctypes.c_size_t(1), persistent) > 0:\n"
+        "    print('PLANTED in persistent', file=sys.stderr)\n"
+        "print('errno', ctypes.get_errno(), file=sys.stderr)\n")
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "aarch64"), reason="syscall numbers of x86_64 / aarch64")
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_no_keyring_of_the_caller_or_of_an_earlier_run_is_reachable(unprivileged, user):
+    """Red-team findings: keys read from and planted in the caller's session keyring (as nobody; as root when
+    the caller has one, as PAM and systemd give), and persistent keyrings that survive the setup's clear."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    out = _drive(prefix, {"keys": KEYS}, session_key=True)
+    r = out["keys"]
+    assert r["score"] == 1.0 and "FOUND" not in r["stderr"] and "PLANTED" not in r["stderr"], (user, r)
+    assert out["session_keys"] == 1, (user, out)  # the caller's own key alone
+
+
+# Runs as long as it is let; its name (comm) is how the test finds it.
+LINGER = ("import ctypes, time\nctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)\ndef f(x):\n    return 2 * x\n"
+          "time.sleep(120)\n")
+
+
+def _with_comm(marker: str) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == marker:
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_the_program_dies_with_its_caller_killed_by_sigkill(unprivileged, user):
+    """Red-team finding: as root a program kept running after its caller was killed with SIGKILL (the uid change
+    cleared the parent-death signal of the namespace's init)."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    marker = f"linger{os.getpid() % 100000}"
+    args = [{"linger": LINGER.format(marker=marker)}, DOUBLE_TESTS, {"code_timeout": 100, "code_memory_mb": 256}, 2048]
+    caller = subprocess.Popen([*prefix, "-c", _DRIVER], cwd="/tmp", stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": REPO}, text=True)
+    caller.stdin.write(json.dumps(args))
+    caller.stdin.close()
+    try:
+        deadline = time.time() + 60
+        while not _with_comm(marker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _with_comm(marker), "the program never ran"
+        caller.kill()
+        caller.wait()
+        deadline = time.time() + 3
+        while _with_comm(marker) and time.time() < deadline:
+            time.sleep(0.05)
+        left = _with_comm(marker)
+    finally:
+        caller.kill()
+        for pid in _with_comm(marker):
+            os.kill(pid, signal.SIGKILL)
+        S._sandbox_mode()
+        S.cleanup_sandboxes(caller.pid)  # its work dir and cgroup, as a pool does for a worker it killed
+    assert left == [], (user, "the program outlived its caller")
