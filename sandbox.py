@@ -851,6 +851,15 @@ import json, os, sys, types
 REQ, REP = int(sys.argv[-2]), int(sys.argv[-1])
 MAX_BYTES, MAX_NODES, MAX_DEPTH = LIMITS
 PROGRAM = compile(open("solution.py").read(), "solution.py", "exec")  # run anew by each test's process
+# Libraries the program imports whose import is slow, imported once here (never from /tmp, the program's dir),
+# so that each test's process does not pay for it again.
+path, sys.path = sys.path, [p for p in sys.path if p not in ("", os.getcwd(), os.path.dirname(sys.argv[0]))]
+for module in PRELOAD:
+    try:
+        __import__(module)
+    except Exception:
+        pass
+sys.path = path
 
 
 def receive():
@@ -1690,6 +1699,20 @@ def judgeable(test: str) -> bool:
     return _plan_test(test, set()) is not None
 
 
+_SLOW_LIBRARIES = frozenset({"numpy", "scipy", "sympy", "pandas", "networkx", "sortedcontainers"})
+
+
+def _slow_imports(program: str) -> list[str]:
+    """The slow-to-import libraries the program imports at its top level (the harness imports them once)."""
+    try:
+        body = ast.parse(program).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    names = [a.name for n in body if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in body if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+    return sorted({name.split(".")[0] for name in names} & _SLOW_LIBRARIES)
+
+
 def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int) -> dict:
     """Run `program` in a sandbox, each of `tests` in a fresh process of it, and judge each test here on the
     values of its program parts. Returns {"passed", "judged", "unsupported", "too_large", "status", "seconds",
@@ -1706,7 +1729,7 @@ def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int
         return verdict
     mode = sandbox_mode()
     harness = _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH)), 1).replace(
-        "KILL_STRAYS", repr(mode != "none"), 1)
+        "KILL_STRAYS", repr(mode != "none"), 1).replace("PRELOAD", repr(_slow_imports(program)), 1)
 
     def converse(req: int, rep: int, deadline: float) -> list[str]:
         channel = _Channel(req, rep, deadline)
