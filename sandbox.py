@@ -1586,7 +1586,7 @@ class _Channel:
 
     def __init__(self, req: int, rep: int, deadline: float):
         self.req, self.rep, self.deadline = req, rep, deadline
-        self.pending, self.received, self.closed, self.too_large = b"", 0, False, False
+        self.pending, self.received, self.closed, self.too_large = bytearray(), 0, False, False
         os.set_blocking(req, False)
         os.set_blocking(rep, False)
 
@@ -1607,7 +1607,8 @@ class _Channel:
 
     def receive(self) -> Any:
         """The next line, decoded as JSON (None: the harness is gone, the run ran out of time or bytes)."""
-        while b"\n" not in self.pending and not self.closed:
+        end = self.pending.find(b"\n")
+        while end < 0 and not self.closed:
             left = self.deadline - time.monotonic()
             if len(self.pending) > _MAX_BYTES + 4096 or self.received > _MAX_RUN_BYTES:
                 self.closed = self.too_large = True
@@ -1622,11 +1623,15 @@ class _Channel:
             except OSError:
                 chunk = b""
             self.closed = not chunk
+            if chunk.find(b"\n") >= 0:  # looked for in the new bytes only: a long report is read in linear time
+                end = len(self.pending) + chunk.find(b"\n")
             self.pending += chunk
             self.received += len(chunk)
-        if b"\n" not in self.pending:
+        if end < 0 or self.received > _MAX_RUN_BYTES:  # past the run's budget: this report and all after it
+            self.too_large = self.too_large or end >= 0
+            self.closed = True
             return None
-        line, self.pending = self.pending.split(b"\n", 1)
+        line, self.pending = bytes(self.pending[:end]), self.pending[end + 1:]
         try:
             return json.loads(line)
         except (ValueError, RecursionError):  # not the harness's: nothing after it can be trusted either
