@@ -24,14 +24,26 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import toy  # noqa: E402
 
 
+def no_code_sandbox(reason: str) -> None:
+    """Skip a test that needs isolation for model-written code where this machine has none; where
+    REQUIRE_CODE_SANDBOX=1 (.ci/run: root on a machine with namespaces) fail it instead, so that a green CI
+    means the sandbox's security tests ran."""
+    if os.environ.get("REQUIRE_CODE_SANDBOX") == "1":
+        pytest.fail(f"REQUIRE_CODE_SANDBOX=1 but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture
 def sandbox():
     """For tests that run model-written code the default way: where this machine has no isolation for it
-    (no unshare / setpriv that work, no bubblewrap) code verifiers refuse to run, and the test is skipped."""
-    import verifiers
+    (no unshare / setpriv that work, no bubblewrap) code verifiers refuse to run, and the test is skipped
+    (failed under REQUIRE_CODE_SANDBOX=1). Returns `no_code_sandbox`, for a test's own skips of that kind."""
+    import sandbox as sandbox_module
 
-    if verifiers._sandbox_mode() == "none":
-        pytest.skip("no code sandbox here (no working unshare / user namespaces, no bubblewrap): code verifiers refuse")
+    if sandbox_module.sandbox_mode() == "none":
+        no_code_sandbox("no code sandbox here (no working unshare / user namespaces, no bubblewrap): code verifiers "
+                        "refuse")
+    return no_code_sandbox
 
 
 @pytest.fixture(scope="session")

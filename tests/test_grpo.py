@@ -884,7 +884,7 @@ def test_code_rows_without_a_sandbox_stop_the_run_unless_allowed(tmp_path, monke
     dropped as infrastructure failures (silently while under --max_infra_failure_rate): the run stops first,
     naming them by file and line and saying how to fix it."""
     import chat_template
-    import verifiers
+    import sandbox
 
     data = tmp_path / "mix.jsonl"
     data.write_text("\n".join([
@@ -892,7 +892,7 @@ def test_code_rows_without_a_sandbox_stop_the_run_unless_allowed(tmp_path, monke
         _rlvr_row(verifier="code_stdio", ground_truth=json.dumps([{"input": "1", "output": "2"}])),
         _rlvr_row(verifier=["math", "code"], ground_truth=["2", ["assert f(1) == 2"]])]) + "\n")
     mixture = chat_template.load_mixture([str(data), "2.0"])
-    monkeypatch.setattr(verifiers, "_SANDBOX", {"mode": "none", "cgroup": {}})
+    monkeypatch.setattr(sandbox, "_SANDBOX", {"mode": "none", "cgroup": {}})
     with pytest.raises(ValueError) as e:
         grpo.check_rlvr_rows(mixture, "--dataset_mixer_list")
     msg = str(e.value)
@@ -903,7 +903,7 @@ def test_code_rows_without_a_sandbox_stop_the_run_unless_allowed(tmp_path, monke
     math_only = tmp_path / "math.jsonl"
     math_only.write_text(_rlvr_row() + "\n")
     grpo.check_rlvr_rows(chat_template.load_mixture([str(math_only), "1.0"]), "--dataset_mixer_list")
-    monkeypatch.setattr(verifiers, "_SANDBOX", {"mode": "userns", "cgroup": {}})  # a sandbox: code rows run
+    monkeypatch.setattr(sandbox, "_SANDBOX", {"mode": "userns", "cgroup": {}})  # a sandbox: code rows run
     grpo.check_rlvr_rows(mixture, "--dataset_mixer_list")
 
 
