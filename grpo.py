@@ -119,146 +119,133 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 @dataclass
 class Args:
-    # run and logging
+    # ---- run and logging
     output_dir: str = field(default="output/grpo", metadata={"help": "Metrics, summary and checkpoints go here."})
     seed: int = field(default=1, metadata={"help": "Random seed (learner ranks add their rank)."})
-    report_to: str = field(default="none", metadata={
-        "help": "'wandb' or 'none'. wandb's own mode: online when logged in, else offline; WANDB_MODE overrides."})
+    # wandb's own mode applies: online when logged in, else offline; WANDB_MODE overrides
+    report_to: str = field(default="none", metadata={"help": "'wandb' or 'none'."})
     wandb_project: str = field(default="olmo3-posttrain", metadata={"aliases": ["--wandb_project_name"],
                                                                     "help": "wandb project name."})
-    wandb_entity: str | None = field(default=None, metadata={
-        "help": "wandb team or user (default: your wandb default)."})
+    wandb_entity: str | None = field(default=None, metadata={"help": "wandb team or user (default: yours)."})
     run_name: str = field(default="grpo", metadata={"aliases": ["--exp_name"], "help": "wandb run name."})
     save_steps: int = field(default=0, metadata={
         "aliases": ["--save_freq"], "help": "Checkpoint every N steps (0: only at the end; Olmo 3 7B Think RL: 25)."})
-    resume: bool = field(default=False, metadata={
-        "help": "Resume from the latest checkpoint in output_dir/checkpoints."})
+    resume: bool = field(default=False, metadata={"help": "Resume from the latest checkpoint in output_dir."})
     overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "Start over in an output_dir that holds a previous run (deletes its checkpoints and metrics)."})
+        "help": "Start over in an output_dir that holds a run (deletes its checkpoints and metrics)."})
     keep_last_n_checkpoints: int = field(default=2, metadata={
-        "help": "Keep the newest N checkpoints (0: all); the one a --resume started from is never deleted."})
+        "help": "Keep the newest N checkpoints (0: all; the one resumed from is never deleted)."})
     eval_every: int = field(default=10, metadata={
-        "aliases": ["--local_eval_every"],
-        "help": "Evaluate every N steps, before the first and after the last (0: never)."})
-    logging_steps: int = field(default=1, metadata={
-        "help": "Print a step line every N learner steps and after the last (evaluations always); metrics.jsonl "
-                "and wandb get every step."})
-    eval_num_samples: int = field(default=4, metadata={
-        "help": "k: samples per eval prompt, for pass@1 (mean) and pass@k."})
-    # model and data
+        "aliases": ["--local_eval_every"], "help": "Evaluate every N steps, before the first and after the last."})
+    # metrics.jsonl and wandb get every step; evaluations always print
+    logging_steps: int = field(default=1, metadata={"help": "Print a step line every N steps and after the last."})
+    eval_num_samples: int = field(default=4, metadata={"help": "k samples per eval prompt, for pass@1 and pass@k."})
+    # ---- model and data
     model_name_or_path: str = field(default="toy_model", metadata={
         "help": "HF model directory or hub name (the SFT or DPO checkpoint)."})
+    # rows: messages, ground_truth, verifier (Olmo 3's RLVR format)
     dataset_mixer_list: list[str] = field(default_factory=lambda: ["toy_data/rlvr.jsonl", "1.0"], metadata={
-        "aliases": ["--mixer_list"],
-        "help": "RLVR sources and fractions/counts: `a.jsonl 1.0 org/b 500`. Rows: messages, ground_truth, verifier."})
+        "aliases": ["--mixer_list"], "help": "RLVR sources and fractions or counts: `a.jsonl 1.0 org/b 500`."})
     dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
-        "help": "Split of each Hub source: one for all or one per source (Olmo 3: train)."})
+        "help": "Split of each Hub source: one for all, or one per source."})
     eval_dataset_mixer_list: list[str] = field(default_factory=list, metadata={
         "aliases": ["--dataset_mixer_eval_list"], "help": "Held-out RLVR sources for evaluation (empty: no eval)."})
     eval_dataset_mixer_list_splits: list[str] = field(default_factory=lambda: ["train"], metadata={
-        "aliases": ["--dataset_mixer_eval_list_splits"], "help": "Split of each held-out Hub source (Olmo 3: train)."})
+        "aliases": ["--dataset_mixer_eval_list_splits"], "help": "Split of each held-out Hub source."})
     chat_template: str | None = field(default=None, metadata={
         "aliases": ["--chat_template_name"], "help": "Chat template name or path (default: the tokenizer's)."})
     max_prompt_length: int = field(default=2048, metadata={
         "aliases": ["--max_prompt_token_length"], "help": "Prompts longer than this are dropped (Olmo 3: 2048)."})
     max_response_length: int = field(default=32768, metadata={
-        "aliases": ["--response_length"],
-        "help": "Generation stops here; such samples are marked truncated (Olmo 3 Think: 32768)."})
-    # algorithm (Olmo 3 / open-instruct grpo_fast defaults)
-    num_training_steps: int = field(default=1000, metadata={"help": "Learner steps."})
+        "aliases": ["--response_length"], "help": "Generation stops here, marked truncated (Olmo 3 Think: 32768)."})
+    # ---- algorithm (Olmo 3 / open-instruct grpo_fast defaults)
+    num_training_steps: int = field(default=1000, metadata={"help": "Learner steps (each one rollout batch)."})
     num_unique_prompts_per_step: int = field(default=64, metadata={
-        "aliases": ["--num_unique_prompts_rollout"],
-        "help": "Groups with non-zero reward std per step, exactly (active sampling)."})
+        "aliases": ["--num_unique_prompts_rollout"], "help": "Groups with reward std > 0 per step (Olmo 3: 64)."})
     num_samples_per_prompt: int = field(default=8, metadata={
         "aliases": ["--num_samples_per_prompt_rollout"], "help": "Group size: completions per prompt (Olmo 3: 8)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (Olmo 3: 1.0)."})
-    learning_rate: float = field(default=1e-6, metadata={
-        "help": "AdamW lr (Olmo 3 7B: 1e-6; the toy demo: 1e-4, constant; 3e-4 degrades it)."})
+    # the toy demo: 1e-4, constant (3e-4 degrades it)
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (Olmo 3 7B: 1e-6)."})
     lr_scheduler_type: str = field(default="constant", metadata={
         "help": "'constant' or 'linear' decay to 0 (Olmo 3: constant)."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     max_grad_norm: float = field(default=1.0, metadata={"aliases": ["--clip_grad_norm"], "help": "Gradient clipping."})
-    num_mini_batches: int = field(default=1, metadata={
-        "help": "Optimizer steps per learner step (the batch split in this many)."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Optimizer steps per learner step."})
     num_epochs: int = field(default=1, metadata={"help": "Passes over each step's batch."})
     clip_low: float = field(default=0.2, metadata={
         "aliases": ["--clip_lower"], "help": "PPO clip epsilon below 1 (Olmo 3: 0.2)."})
     clip_high: float = field(default=0.272, metadata={
-        "aliases": ["--clip_higher"], "help": "Clip-higher epsilon above 1 (DAPO; Olmo 3 code: 0.272)."})
-    tis_cap: float = field(default=2.0, metadata={
-        "aliases": ["--truncated_importance_sampling_ratio_cap"],
-        "help": "Truncated importance sampling cap on exp(learner - vLLM logprob) (0: off)."})
-    beta: float = field(default=0.0, metadata={"help": "KL-to-reference coefficient, k3 estimator (Olmo 3 RLVR: 0)."})
+        "aliases": ["--clip_higher"], "help": "Clip epsilon above 1 (DAPO; Olmo 3 code: 0.272)."})
+    tis_cap: float = field(default=2.0, metadata={"aliases": ["--truncated_importance_sampling_ratio_cap"],
+                                                  "help": "Cap on exp(learner - vLLM logprob) (0: no correction)."})
+    beta: float = field(default=0.0, metadata={"help": "KL-to-reference coefficient, k3 estimator (Olmo 3: 0)."})
     advantage_normalization: str = field(default="centered", metadata={
         "aliases": ["--advantage_normalization_type"],
-        "help": "'centered' (reward - group mean, Olmo 3) or 'standard' (/ group std)."})
+        "help": "'centered' (reward - group mean) or 'standard' (also / group std; Olmo 3: centered)."})
+    # Applied at admission, so a long answer admitted in time is trained whatever versions its later tokens
+    # came from (Olmo 3 7B think RL: 8; the infra benchmark: 4)
     async_steps: int = field(default=1, metadata={
-        "help": "Off-policy bound K, at admission: a prompt starts only on weights at most K versions older than "
-                "the step that trains on it (Olmo 3 7B think RL: 8)."})
+        "help": "A prompt starts only on weights at most K versions older than the step that trains on it."})
+    # open-instruct's drop at consumption; it selects against long answers, hence off
     max_token_lag: int = field(default=0, metadata={
-        "help": "Also drop a group, at consumption, with any token more than this many versions old (0: never; such "
-                "drops select against long answers)."})
+        "help": "Drop a group with any token more than N versions old when consumed (0: never)."})
     max_prompts_per_step_factor: int = field(default=20, metadata={
-        "help": "Active sampling gives up (logged) after this many x num_unique_prompts_per_step prompts in one step."})
-    # system
+        "help": "Active sampling gives up (logged) after this many x num_unique_prompts_per_step prompts."})
+    # ---- system
     num_learners: int = field(default=1, metadata={
-        "help": "torchrun ranks [0, num_learners) learn; the rest are actors. Ignored with one process."})
+        "help": "torchrun ranks [0, N) learn; the rest are actors (ignored with one process)."})
     batching: str = field(default="continuous", metadata={
-        "help": "'continuous' (keep the engine full) or 'static' (one generate-style batch at a time; ablation)."})
+        "help": "'continuous' (keep the engine full) or 'static' (one batch at a time; the ablation)."})
+    # Off: an engine drains, then loads; learner 0 sends weights only when an engine asks for them (every prompt
+    # it holds needs newer ones), when they are async_steps versions old, and before an evaluation
     inflight_updates: bool = field(default=True, metadata={
-        "help": "Load new weights between two engine steps without draining (Olmo 3). Off: an engine drains, "
-                "then loads; learner 0 streams weights only when an engine asks for them (every prompt it "
-                "holds needs newer ones), when they are async_steps versions old, and before an evaluation."})
+        "help": "Load new weights between two engine steps without draining (Olmo 3)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "GPU memory fraction for vLLM (GPU only; CPU uses VLLM_CPU_KVCACHE_SPACE)."})
+        "help": "GPU memory fraction for vLLM (CPU: VLLM_CPU_KVCACHE_SPACE, default 1 GiB)."})
     enforce_eager: bool = field(default=False, metadata={
         "aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
     pack_length: int = field(default=0, metadata={
         "help": "Tokens per packed learner row (0: max_prompt_length + max_response_length)."})
+    # 0: on GPU the larger of pack_length and 16384; on CPU pack_length (one row per pass was 30% faster there)
     forward_tokens: int = field(default=0, metadata={
-        "help": "Padded tokens per learner forward pass: packed rows are batched up to this (0: on GPU the larger "
-                "of pack_length and 16384; on CPU pack_length, one row per pass). The memory plan counts it."})
-    bf16: bool | None = field(default=None, metadata={
-        "help": "Train in bf16: bf16 compute, fp32 master weights, optimizer state and gradient reduction (FSDP2 "
-                "mixed precision, or autocast with one learner). Default: on for GPU, off on CPU."})
+        "help": "Padded tokens per learner forward pass (0: auto); the memory plan counts it."})
+    # bf16 compute, fp32 master weights, optimizer state and gradient reduction (FSDP2 mixed precision, or
+    # autocast with one learner)
+    bf16: bool | None = field(default=None, metadata={"help": "Train in bf16 (default: on GPU yes, on CPU no)."})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "Recompute each decoder layer's activations in backward (Olmo 3 7B think RL: on)."})
     logprob_chunk_size: int = field(default=1024, metadata={
-        "help": "Tokens per chunk of the LM head + log-softmax, recomputed in backward: logits memory is "
-                "chunk x vocab, never pack_length x vocab."})
+        "help": "Tokens per chunk of the LM head + log-softmax: logits memory is chunk x vocab."})
+    # Without it vLLM's engine process busy-polls its worker and starves the learner of a core
     cpu_affinity: bool = field(default=True, metadata={
-        "help": "CPU torchrun runs only: give each rank on a node its own share of the cores (actors bind vLLM's "
-                "threads to theirs). Without it vLLM's engine process busy-polls its worker and starves the learner "
-                "of a core."})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={
-        "help": "GPUs per vLLM engine (tensor parallel). An actor rank drives one engine of this many GPUs: on a node, "
-                "torchrun --nproc-per-node = its learners + its engines, and it needs learners + engines x this GPUs."})
+        "help": "CPU only: give each rank on a node its own share of the cores."})
+    # On a node, torchrun --nproc-per-node = its learners + its engines; it needs learners + engines x this GPUs
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (tensor parallel)."})
+    # must exceed the longest learner step, evaluation and checkpoint included
     timeout_s: float = field(default=1800.0, metadata={
-        "help": "Longest wait between roles (data, weights) before failing with an error; must exceed the longest "
-                "learner step (with eval and checkpoint)."})
+        "help": "Longest wait between roles (data, weights) before failing with an error."})
     startup_timeout_s: float = field(default=1800.0, metadata={
-        "help": "Longest wait for the actors' engines to start (vLLM compiles; slow on a busy CPU)."})
+        "help": "Longest wait for the actors' engines to start."})
     probe_tolerance: float = field(default=0.0, metadata={
         "help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
     verifier_workers: int = field(default=2, metadata={"help": "Verifier processes."})
     max_infra_failure_rate: float = field(default=0.25, metadata={
-        "help": "Stop the run when verifier infrastructure failures (lost workers, an unreachable judge) exceed "
-                "this share of a step's samples for 3 steps in a row."})
+        "help": "Stop when verifier infrastructure failures exceed this share of samples 3 steps in a row."})
     verifier_timeout: float = field(default=10.0, metadata={"help": "Seconds per verifier row."})
-    allow_unsandboxed_code: bool = field(default=False, metadata={"help": (
-        "Run model-written code (code / code_stdio rows) even where no sandbox is available (no user "
-        "namespaces): as this user, with its files and network. Off: such rows are refused and counted.")})
+    # Off: code / code_stdio rows are refused and counted where no sandbox is available (no user namespaces)
+    allow_unsandboxed_code: bool = field(default=False, metadata={
+        "help": "Run model-written code unisolated, as this user, where no sandbox is available."})
+    # Pass the same value to runs you compare
     peak_flops: float = field(default=0.0, metadata={
-        "help": "Peak FLOP/s per engine for MFU (0: datasheet on known GPUs, else measured, best of several reps). "
-                "Pass the same value to runs you compare."})
+        "help": "Peak FLOP/s per engine for MFU (0: datasheet on known GPUs, else measured)."})
     peak_memory_bandwidth: float = field(default=0.0, metadata={
-        "help": "Peak memory B/s per engine for MBU (0: datasheet / measured, like --peak_flops)."})
+        "help": "Peak memory B/s per engine for MBU (0: datasheet or measured)."})
+    # BENCHMARK ONLY (bench_infra.sh): long-tailed lengths (the paper's mean / max ~0.46) even from a random model
     response_length_sampler: str = field(default="none", metadata={
-        "help": "BENCHMARK ONLY: 'exponential' draws max_tokens per request (capped at max_response_length) and "
-                "ignores eos."})
-    response_length_mean: int = field(default=0, metadata={
-        "help": "BENCHMARK ONLY: mean of the exponential response length."})
+        "help": "Benchmark only: 'exponential' draws each request's max_tokens and ignores eos."})
+    response_length_mean: int = field(default=0, metadata={"help": "Benchmark only: that exponential's mean."})
 
 
 # Flags of open-instruct's Olmo 3 RL launch scripts (scripts/train/olmo3/7b_*_rl.sh, grpo_fast.py) that this
