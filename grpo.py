@@ -372,14 +372,6 @@ def engine_step_cost(s: ModelShape, prefill_lens: list[int], decode_contexts: li
     return flops, nbytes
 
 
-def utilization(flops: float, nbytes: float, seconds: float, peak_flops: float,
-                peak_bytes_per_s: float) -> tuple[float, float]:
-    """(MFU, MBU): achieved FLOP/s over peak FLOP/s, achieved bytes/s over peak bandwidth."""
-    if seconds <= 0:
-        return 0.0, 0.0
-    return flops / seconds / peak_flops, nbytes / seconds / peak_bytes_per_s
-
-
 # name substring -> (peak dense bf16 FLOP/s, peak memory B/s), from the datasheets
 GPU_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
 
@@ -2865,8 +2857,7 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
     name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    unwrapped = model
-    unwrapped.save_pretrained(tmp, state_dict=state)
+    model.save_pretrained(tmp, state_dict=state)
     tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "sampler_position": position,
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},

@@ -82,9 +82,12 @@ def test_mfu_mbu_hand_computed():
     # 64 sequences at context 1000, one decode step in 50 ms on an H100 (989e12 FLOP/s, 3.35e12 B/s)
     flops, nbytes = grpo.engine_step_cost(OLMO3_7B, [], [1000] * 64, 2)
     assert (flops, nbytes) == (915_057_672_192, 47_327_920_128)
-    mfu, mbu = grpo.utilization(flops, nbytes, 0.05, 989e12, 3.35e12)
-    assert mfu == pytest.approx(915_057_672_192 / 0.05 / 989e12) == pytest.approx(0.0185047, rel=1e-5)
-    assert mbu == pytest.approx(0.2825547, rel=1e-5)
+    # through the metrics a run logs: one actor's stats for that step
+    stats = {"actor": 0, "gen_tokens": 64, "elapsed": 0.05, "flops": flops, "bytes": nbytes, "peak_flops": 989e12,
+             "peak_bw": 3.35e12, "peak_source": "given", "max_num_seqs": 64}
+    m = grpo.rollout_metrics([], Counter(), [], [], [], [stats], grpo.Args())
+    assert m["perf/actor_mfu"] == pytest.approx(915_057_672_192 / 0.05 / 989e12) == pytest.approx(0.0185047, rel=1e-5)
+    assert m["perf/actor_mbu"] == pytest.approx(0.2825547, rel=1e-5)
     # a prefill of 2048 tokens plus 8 decodes in the same step: the weights still count once
     f2, b2 = grpo.engine_step_cost(OLMO3_7B, [2048], [1000] * 8, 2)
     assert f2 == 27_626_587_996_160 + 8 * 14_297_776_128
