@@ -121,42 +121,61 @@ def test_engine_gpus_learners_first_then_tensor_parallel_engines(monkeypatch):
         grpo.engine_gpus(4, 4, 8, 4, 2, 8)  # 4 learners + 4 engines of 2 GPUs on 8 GPUs
 
 
-def test_weight_stream_round_trip_checks_before_loading():
-    """learner 0 -> one worker over the weight stream (gloo, both ends in this process; a stand-in for
-    vLLM's model runner): buckets arrive whole and in order and are handed to one reload; a bucket with
-    non-finite values and an update whose version is not the one the engine expects fail before their
-    tensors load."""
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")  # buckets smaller than a tensor, on purpose
+def test_gloo_weight_transfer_round_trip_checks_before_loading():
+    """learner 0 -> one worker through vLLM's weight-transfer protocol on our gloo backend (both ends in this
+    process; the worker engine comes from vLLM's factory, its model is a stand-in recording what load_weights
+    gets): vLLM's send_weights makes the four calls in order, the worker cuts the buckets where vLLM's
+    pack_tensors cut them on the sender, each arrives whole, and a bucket with non-finite values fails before
+    it loads."""
     from types import SimpleNamespace
 
-    names = [("a", (3, 4), torch.float32), ("b", (5,), torch.float32), ("c", (2, 50), torch.float32)]
-    sd = {n: torch.randn(shape) for n, shape, _ in names}
-    loads = []
-    runner = SimpleNamespace(reload_weights=lambda weights_iterator: loads.append(
-        {k: v.clone() for k, v in weights_iterator}))
-    worker = SimpleNamespace(rank=0, model_runner=runner)
-    sender = grpo.WeightSender(names, 1, "gloo", "cpu", 30)
-    sender.connect(join=lambda: grpo._join_weights_in_worker(worker, sender.info, 1))
-    assert [b[:2] for b in grpo.plan_buckets(names, 4, bucket_bytes=64)] == [(0, 1), (1, 2), (2, 3)]
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    def send(version, state):
-        th = threading.Thread(target=sender.send, args=(version, state.items()), daemon=True)
-        th.start()
-        return th
+    loads, calls = [], []
+    model = SimpleNamespace(load_weights=lambda weights: loads.append({k: v.clone() for k, v in weights}))
+    worker = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend=grpo.GLOO_BACKEND),
+        SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None), torch.device("cpu"), model)
 
-    th = send(1, sd)
-    assert grpo._receive_weights_in_worker(worker, 1) >= 0
-    th.join(10)
-    assert len(loads) == 1 and list(loads[0]) == ["a", "b", "c"]
-    assert all(torch.equal(loads[0][k], sd[k]) for k in sd)
-    th = send(2, dict(sd, b=torch.full((5,), float("nan"))))
-    with pytest.raises(ValueError, match="non-finite values in version 2"):
-        grpo._receive_weights_in_worker(worker, 2)
-    th.join(10)
-    th = send(3, sd)
-    with pytest.raises(ValueError, match="expects version 4"):
-        grpo._receive_weights_in_worker(worker, 4)
-    th.join(10)
-    assert len(loads) == 1  # neither failed update reached a load
+    class Client:  # vLLM's four calls, made on the worker engine at once (an actor makes them on its LLM)
+        def init_weight_transfer_engine(self, init_info):
+            calls.append("init")
+            worker.init_transfer_engine(worker.parse_init_info(init_info))
+
+        def start_weight_update(self):
+            calls.append("start")  # vLLM's layerwise reload: needs vLLM's model, run by the end-to-end tests
+
+        def update_weights(self, update_info):
+            calls.append("update")
+            worker.update_weights(update_info)
+
+        def finish_weight_update(self, weight_version=None):
+            calls.append("finish")
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50))  # 48, 12, 600 and 200 bytes
+    source = grpo.WireWeights(net, torch.float32)
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 2, 30.0, bucket_bytes=64, rank=0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=Client(), source=source)
+    trainer.send_weights()
+    assert calls == ["init", "start", "update", "finish"]
+    pairs, cuts = iter(source), []
+    while (chunk := pack_tensors(pairs, lambda item: item[1], 64)) is not None:
+        cuts.append(chunk.names)
+    assert [list(b) for b in loads] == cuts == [["0.weight", "0.bias", "1.weight"], ["1.bias"]]
+    assert all(torch.equal(b[k], v) for b in loads for k, v in net.state_dict().items() if k in b)
+    with torch.no_grad():
+        net[1].bias[3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values in 1.bias"):
+        trainer.send_weights()
+    assert len(loads) == 3  # the first bucket loaded, the one with the NaN did not
+
+
+def test_omp_bind_gives_each_tensor_parallel_worker_its_cores():
+    assert grpo.omp_bind([2, 3], 2) == "2|3" and grpo.omp_bind([0, 1, 2], 1) == "0,1,2"
+    assert grpo.omp_bind([0, 1, 2], 2) == "0,1|2" and grpo.omp_bind([1], 2) == "1|1"  # too few: each gets all
 
 
 def test_split_cores_gives_each_local_rank_its_own_share():
@@ -858,28 +877,36 @@ def _args(**kw):
 
 
 def _connect_stream(actor, model):
-    """Be learner 0 of a weight stream to `actor`'s engine, as grpo.learner is (gloo, fp32 on the wire)."""
-    sender = grpo.WeightSender(grpo.wire_names(model, torch.float32), 1, "gloo", "cpu", 120)
-    sender.connect(join=lambda: actor.connect_weights(sender.info, 1))
-    return sender
+    """Be learner 0 of a weight transfer to `actor`'s engine, as grpo.learner is with a colocated actor: vLLM's
+    trainer engine on our gloo backend (fp32 on the wire), its calls queued for the actor's engine loop."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    link = grpo.Link(actor.args, [], None, actor)
+    transfer = WeightTransferTrainerFactory.trainer_init(grpo.GlooTrainerInitInfo("127.0.0.1", 2, 120.0, rank=0),
+                                                         client=link.client, source=grpo.WireWeights(model, torch.float32))
+    return link, transfer
 
 
 def _weight_update(model, version, probe_ids):
     """What learner 0 sends: a header (the version, and the learner's logprobs of a fixed probe sequence),
-    then the tensors themselves."""
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    and the model whose weights go."""
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), -1)
     header = {"version": version, "stream": True, "probe_ids": probe_ids,
               "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]}
-    return header, sd
+    return header, model
 
 
-def _push(actor, sender, update) -> dict:
-    """The header to the actor, then the stream (it returns once the engine's workers hold the last bucket)."""
-    header, sd = update
-    actor.updates.put(header)
-    return sender.send(header["version"], sd.items())
+def _push(stream, update):
+    """vLLM's four calls to the actor and the weights to its workers (Link.send_weights): returns once the workers
+    received the last bucket."""
+    (link, transfer), (header, model) = stream, update
+    transfer.source = grpo.WireWeights(model, torch.float32)
+    link.send_weights(header, transfer, 120.0)
+
+
+def _version_only(version, **probe):
+    return {"call": "update_weight_version", "version": version, **probe}
 
 
 @pytest.mark.slow
@@ -920,14 +947,14 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        actor.updates.put({"version": 0})
+        actor.updates.put(_version_only(0))
         actor.inbox.put([{"kind": "train", "index": 0, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
                           "n": 2}])
         deadline = time.time() + 120
         wait_until_both_samples_run(deadline)
         before = {rid: list(s["tokens"]) for rid, s in actor.pending.items()}
         first = _weight_update(new, 1, probe_ids)
-        _push(actor, sender, first)
+        _push(sender, first)
         while not out:
             assert time.time() < deadline and not errors, errors
             time.sleep(0.01)
@@ -962,19 +989,22 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
                           "n": 2}])
         wait_until_both_samples_run(deadline + 120)
-        _push(actor, sender, _weight_update(model, 2, probe_ids))
-        assert actor.version == 1 and actor.pending  # the whole stream is in the workers; the engine still drains
+        push = threading.Thread(target=_push, args=(sender, _weight_update(model, 2, probe_ids)), daemon=True)
+        push.start()
+        assert actor.version == 1 and actor.pending  # the stream waits for the engine, which drains first
         while actor.version != 2 or actor.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline + 240 and not errors, errors
             time.sleep(0.01)
+        push.join(10)
+        assert not push.is_alive()
         time.sleep(0.2)
         assert not errors, errors
         (drained,) = [m["group"] for m in out[n_out:] if "group" in m]
         assert all(s["versions"] == [1] * 160 for s in drained["samples"])  # no update mid-sequence
         # a probe that disagrees must stop the actor
         header, _ = first
-        actor.updates.put({"version": 5, "probe_ids": probe_ids,
-                           "probe_logprobs": [x + 0.5 for x in header["probe_logprobs"]]})
+        actor.updates.put(_version_only(5, probe_ids=probe_ids,
+                                        probe_logprobs=[x + 0.5 for x in header["probe_logprobs"]]))
         thread.join(timeout=60)
         assert errors and "stale or corrupted" in str(errors[0])
     finally:
@@ -1014,10 +1044,10 @@ def test_prefix_cache_is_reused_only_within_a_policy_version(toy_model_dir, tmp_
     sender = _connect_stream(actor, model)
     threading.Thread(target=run, daemon=True).start()
     try:
-        actor.updates.put({"version": 0})
+        actor.updates.put(_version_only(0))
         assert prefill_of_next_group(0) == 320
         assert prefill_of_next_group(1) < 320  # control: same version, the prompt's blocks come from the cache
-        _push(actor, sender, _weight_update(model, 1, probe_ids))
+        _push(sender, _weight_update(model, 1, probe_ids))
         deadline = time.time() + 120
         while actor.version != 1 or actor.probe is not None:
             assert time.time() < deadline and not errors, errors
