@@ -117,8 +117,9 @@ import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer import (ParamMeta, WeightSource, WeightTransferEngineFactory,
                                               WeightTransferTrainerFactory)
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, materialize_full_tensor
-from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferEngine
+from vllm.distributed.weight_transfer.base import materialize_full_tensor
+from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
+                                                          NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
 
@@ -930,44 +931,25 @@ def broadcast_obj(obj, src: int, group, timeout_s: float):
     return pickle.loads(data.numpy().tobytes())
 
 
-# The weights travel through vLLM's weight-transfer engine (vllm/distributed/weight_transfer): learner 0 drives vLLM's
-# trainer engine over `WireWeights`, whose client (`ActorsClient`) hands vLLM's four calls to the actors, which make
-# them on their LLM. Between GPUs: vLLM's `nccl` backend as shipped. On CPU, and where a learner shares its GPU with
-# the engine (NCCL takes one rank per GPU; vLLM's `ipc` needs pickled handles), our gloo backend: vLLM's NCCL engines
-# with their process group and broadcast replaced by gloo's.
+# vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
+# GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
+# pickled handles), ours: vLLM's NCCL engines with gloo's process group and broadcast in place of NCCL's.
 GLOO_BACKEND = "grpo_gloo"
-WEIGHT_BUCKET_BYTES = 256 * 2 ** 20
 
 
 def weight_backend(device: str) -> str:
-    """vLLM's nccl between GPUs (torchrun ranks); ours otherwise (a colocated run: the learner shares the GPU)."""
     return "nccl" if device.startswith("cuda") and dist.is_initialized() else GLOO_BACKEND
 
 
-def gloo_group(store, rank: int, size: int, timeout_s: float):
-    """The weight stream's gloo group (learner 0 and every worker of every engine) on its own TCPStore, outside
-    torch.distributed's default group (vLLM's workers have one of their own)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("grpo_weights", store), rank, size,
-                                 datetime.timedelta(seconds=timeout_s))
-
-
 @dataclass(kw_only=True)
-class GlooInitInfo(WeightTransferInitInfo):
-    master_address: str
-    master_port: int
-    rank_offset: int  # of this engine's first worker; its tensor-parallel rank adds to it
-    world_size: int
-    timeout_s: float
-    bucket_bytes: int
+class GlooInitInfo(NCCLWeightTransferInitInfo):
+    timeout_s: float = 1800.0
 
 
 @dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
+class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
     backend: ClassVar[str] = GLOO_BACKEND
-    master_address: str
-    world_size: int  # learner 0 + every worker of every engine
-    timeout_s: float
-    bucket_bytes: int = WEIGHT_BUCKET_BYTES
+    timeout_s: float = 1800.0
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
@@ -976,33 +958,27 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     init_info_cls = GlooInitInfo
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
-        store = dist.TCPStore(info.master_address, info.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=info.timeout_s))
-        self.info = info
-        self.gloo = gloo_group(store, info.rank_offset + self.parallel_config.rank, info.world_size, info.timeout_s)
+        self.timeout = datetime.timedelta(seconds=info.timeout_s)
+        self.packed_buffer_size_bytes = info.packed_buffer_size_bytes
+        store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
+        self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
+                                          self.timeout)
 
-    def update_weights(self, update_info: dict) -> None:
-        # the base class's, less its torch.accelerator.synchronize(): that raises where there is no accelerator
+    def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update) -> None:
-        """Bucket by bucket, cut where vLLM's pack_tensors cuts the sender's (after the tensor that passes
-        bucket_bytes); each is checked, then loaded (the model's load_weights: each worker takes its shard)."""
-        metas = [(n, s, getattr(torch, d)) for n, d, s in zip(update.names, update.dtype_names, update.shapes)]
-        i = 0
-        while i < len(metas):
-            sizes, j = [], i
-            while j < len(metas) and (j == i or sum(sizes) <= self.info.bucket_bytes):
-                sizes.append(math.prod(metas[j][1]) * metas[j][2].itemsize)
-                j += 1
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
-            self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(datetime.timedelta(seconds=self.info.timeout_s))
-            names, shapes, dtypes = (list(x) for x in zip(*metas[i:j]))
-            weights = unpack_tensor(flat, names, shapes, dtypes, sizes)
+        """Bucket by bucket as the sender cut them (vLLM's pack_tensors, run here on meta tensors of the announced
+        shapes); each is checked, then loaded (load_weights: a tensor-parallel worker takes its shard)."""
+        metas = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
+                 for n, d, s in zip(update.names, update.dtype_names, update.shapes))
+        while (plan := pack_tensors(metas, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
+            flat = torch.empty(plan.packed_tensor.numel(), dtype=torch.uint8)
+            self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
+            weights = unpack_tensor(flat, plan.names, plan.shapes, plan.dtypes, plan.tensor_sizes)
             if not all(torch.isfinite(w).all() for _, w in weights):
-                raise ValueError(f"weight stream: non-finite values in {names[0]} .. {names[-1]}")
+                raise ValueError(f"weight stream: non-finite values in {plan.names[0]} .. {plan.names[-1]}")
             self.model.load_weights(weights)
-            i = j
 
 
 class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
@@ -1013,17 +989,17 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     packed_buffer_size_bytes=init_info.bucket_bytes)
-        engine.timeout = datetime.timedelta(seconds=init_info.timeout_s)
+                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+        engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
         if engine.is_sender:
-            store = dist.TCPStore(init_info.master_address, 0, is_master=True, wait_for_workers=False,
+            store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
                                   timeout=engine.timeout)
-            info = GlooInitInfo(master_address=init_info.master_address, master_port=store.port, rank_offset=1,
+            info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
                                 world_size=init_info.world_size, timeout_s=init_info.timeout_s,
-                                bucket_bytes=init_info.bucket_bytes)
+                                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
             with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
                 joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
-                engine.gloo = gloo_group(store, 0, init_info.world_size, init_info.timeout_s)
+                engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
                 joined.result()
         return engine
 
@@ -1042,9 +1018,8 @@ for _factory, _engine in ((WeightTransferEngineFactory, GlooWeightTransferEngine
 
 
 class WireWeights(WeightSource):
-    """The state dict in the wire dtype, one full tensor at a time: with FSDP2 each is cast, then gathered (half the
-    bytes in bf16) just before it is sent, and freed after (a collective: every learner iterates, in order).
-    `seconds`: the time spent producing them (the gather)."""
+    """The state dict in the training dtype, one full tensor at a time (FSDP2: each shard cast, then gathered, just
+    before it goes; every learner iterates, in order). `seconds`: the time spent producing them (the gather)."""
 
     def __init__(self, model, dtype):
         self.model, self.dtype, self.seconds = model, dtype, 0.0
@@ -1058,28 +1033,6 @@ class WireWeights(WeightSource):
             tensor = materialize_full_tensor(v.detach().to(self.dtype))
             self.seconds += time.perf_counter() - t
             yield name, tensor
-
-
-class ActorsClient:
-    """vLLM's VLLMWeightSyncClient, its four calls, for learner 0's trainer engine: each goes to every actor (`post`)
-    and each actor makes it on its LLM (Actor.init_weights, Actor._apply_update), in order. A call returns once sent;
-    an actor's failure reaches learner 0 as its error message. finish_weight_update carries `header` (the version and
-    the probe), which vLLM's trainer engines do not pass."""
-
-    def __init__(self, post):
-        self.post, self.header = post, {}
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.post({"call": "init_weight_transfer_engine", "init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.post({"call": "start_weight_update"})
-
-    def update_weights(self, update_info: dict) -> None:
-        self.post({"call": "update_weights", "update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.post(dict(self.header, call="finish_weight_update"))
 
 
 class WorkerExtension:
@@ -1640,8 +1593,9 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
 # -------------------------------------------------------------------------------------------------
 class Link:
     """Learner 0's view of the actors: `send_prompts(actor, list)`, a `results` queue of messages
-    (groups, errors), `send_weights(header)`. Colocated: queues. torchrun: gloo groups. The weights
-    themselves go through vLLM's weight-transfer engine, into the engines' workers (`client`: its calls)."""
+    (groups, errors), `send_weights(header, transfer)`. Colocated: queues. torchrun: gloo groups. The
+    weights themselves go through vLLM's weight-transfer engine, into the engines' workers; the Link is
+    that engine's client (vLLM's VLLMWeightSyncClient: its four calls)."""
 
     def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None,
                  results: queue.Queue | None = None):
@@ -1652,7 +1606,7 @@ class Link:
         self.closing = threading.Event()
         self.lock = threading.Lock()
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
-        self.client = ActorsClient(self._post)
+        self.header = {}  # of the update under way: finish_weight_update carries it (vLLM's trainer engines pass none)
         self.streamed = None  # the version of the last update sent to the engines
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
@@ -1693,11 +1647,25 @@ class Link:
             with self.lock:  # the dispatcher thread and evaluation both send; a message is two sends
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
 
+    # vLLM's four calls, from learner 0's trainer engine: each goes to every actor, which makes it on its LLM
+    # (Actor.init_weights, Actor._apply_update), in order. A call returns once sent; an actor's failure comes back
+    # as its error message.
+    def init_weight_transfer_engine(self, init_info: dict):
+        if self.local is not None:  # the colocated actor thread has not started yet
+            return self.local.init_weights(init_info)
+        self._post({"call": "init_weight_transfer_engine", "init_info": init_info})
+
+    def start_weight_update(self):
+        self._post({"call": "start_weight_update"})
+
+    def update_weights(self, update_info: dict):
+        self._post({"call": "update_weights", "update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        self._post(dict(self.header, call="finish_weight_update"))
+
     def _post(self, call: dict):
-        """A weight-transfer call to every actor (ActorsClient): the colocated actor makes the first at once."""
-        if self.local is not None and call["call"] == "init_weight_transfer_engine":
-            self.local.init_weights(call["init_info"])
-        elif self.local is not None:
+        if self.local is not None:
             self.local.updates.put(call)
         else:
             broadcast_obj(call, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
@@ -1711,7 +1679,7 @@ class Link:
     def send_weights(self, header: dict, transfer, timeout_s: float):
         """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
         thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included)."""
-        self.streamed, self.client.header = header["version"], header
+        self.streamed, self.header = header["version"], header
         if not header.get("stream"):
             return self._post(dict(header, call="update_weight_version"))
         errors, done = [], threading.Event()
@@ -2044,16 +2012,16 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
 
 def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | None):
     """ALL learners: vLLM's trainer engine over the policy's weights in the training dtype (WireWeights), learner 0
-    the sender: every engine's workers join its stream here (link.client)."""
+    the sender: every engine's workers join its stream here (through `link`, its client)."""
     address, workers = os.environ.get("MASTER_ADDR", "127.0.0.1"), layout.num_actors * args.vllm_tensor_parallel_size
     if weight_backend(layout.device) == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_open_port
 
         info = NCCLTrainerInitInfo(address, get_open_port(), 1 + workers, rank=layout.rank)
     else:
-        info = GlooTrainerInitInfo(address, 1 + workers, max(args.timeout_s, args.startup_timeout_s), rank=layout.rank)
-    return WeightTransferTrainerFactory.trainer_init(info, client=link.client if link else None,
+        info = GlooTrainerInitInfo(address, 0, 1 + workers, timeout_s=max(args.timeout_s, args.startup_timeout_s),
+                                   rank=layout.rank)
+    return WeightTransferTrainerFactory.trainer_init(info, client=link,
                                                      source=WireWeights(policy.model, policy.wire_dtype))
 
 

@@ -157,7 +157,7 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50))  # 48, 12, 600 and 200 bytes
     source = grpo.WireWeights(net, torch.float32)
-    info = grpo.GlooTrainerInitInfo("127.0.0.1", 2, 30.0, bucket_bytes=64, rank=0)
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=64, timeout_s=30.0, rank=0)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=Client(), source=source)
     trainer.send_weights()
     assert calls == ["init", "start", "update", "finish"]
@@ -882,8 +882,9 @@ def _connect_stream(actor, model):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     link = grpo.Link(actor.args, [], None, actor)
-    transfer = WeightTransferTrainerFactory.trainer_init(grpo.GlooTrainerInitInfo("127.0.0.1", 2, 120.0, rank=0),
-                                                         client=link.client, source=grpo.WireWeights(model, torch.float32))
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=120.0, rank=0)
+    source = grpo.WireWeights(model, torch.float32)
+    transfer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
     return link, transfer
 
 
@@ -1391,6 +1392,71 @@ def test_torchrun_weights_reach_two_actors(toy_model_dir, toy_data_dir, tmp_path
     assert len(rows) == 4 and json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 2
     assert sum(r["sync/probe_checks"] for r in rows) >= 4
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+
+
+@pytest.mark.slow
+def test_torchrun_tensor_parallel_engine_loads_every_update(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 1 actor whose engine has two workers (--vllm_tensor_parallel_size 2: vLLM CPU's
+    multiprocess workers, each bound by grpo.py to its share of the actor's cores): both workers join the weight
+    stream and load their own shard of every update. The probe after each update matches (a worker left on old
+    weights would add its stale half to the all-reduce; a failed probe is fatal) and every token carries a version
+    within the off-policy bound. A reward by length gives every step a gradient, so every update changes weights."""
+    data = _rewarded_by_length(toy_data_dir, tmp_path)
+    out, steps = str(tmp_path / "run"), 3
+    rc, log = _torchrun(2, toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps),
+                        "--vllm_tensor_parallel_size", "2", "--dataset_mixer_list", str(data), "1.0",
+                        "--learning_rate", "1e-4", timeout=700)
+    assert rc == 0, log[-3000:]
+    pinned = re.search(r"\[rank 1\] pinned to CPU cores (\[[\d, ]*\])", log)
+    if pinned:  # vLLM's own report of the binding it was given: each worker its share
+        assert f"VLLM_CPU_OMP_THREADS_BIND={grpo.omp_bind(ast.literal_eval(pinned.group(1)), 2)!r}" in log, log[-3000:]
+    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(rows) == steps and all(r["rollout/groups"] == 2 for r in rows)
+    assert sum(r["sync/probe_checks"] for r in rows) >= steps - 1
+    assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+    assert all(0 <= r["rollout/lag_first_token_max"] == r["rollout/lag_max"] <= 2 for r in rows)
+    assert json.load(open(os.path.join(out, "summary.json")))["weight_updates"] == steps
+
+
+@pytest.mark.slow
+def test_two_nodes_learner_node_and_actor_node(toy_model_dir, toy_data_dir, tmp_path):
+    """README's two-node launch with both "nodes" on this machine: two torchrun agents (--nnodes 2, one process
+    each, c10d rendezvous on 127.0.0.1) make one run, the learner on one node and the actor on the other; it trains
+    a few steps, and every update crosses from one node's learner into the other node's engine (probe matches)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "run")
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "3", "--eval_every", "0",
+                       "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4",
+                       "--max_prompts_per_step_factor", "2", "--num_learners", "1")
+    procs, logs = [], []
+    for node in (0, 1):  # node 0 hosts the rendezvous store
+        logs.append(open(tmp_path / f"node{node}.log", "w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpo-two-nodes",
+             "--rdzv-conf", f"is_host={int(node == 0)}", "grpo.py", *cmd],
+            cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        rcs = [p.wait(timeout=700) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()
+    texts = [open(tmp_path / f"node{node}.log").read() for node in (0, 1)]
+    assert rcs == [0, 0], [t[-2000:] for t in texts]
+    learner_node = [i for i, t in enumerate(texts) if "1 learner(s), 1 actor(s)" in t]
+    actor_node = [i for i, t in enumerate(texts) if "[actor rank 1] pid" in t]
+    assert len(learner_node) == len(actor_node) == 1 and learner_node != actor_node, [t[-2000:] for t in texts]
+    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(rows) == 3 and sum(r["sync/probe_checks"] for r in rows) >= 2
+    assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+    assert json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 1
 
 
 @pytest.mark.slow
