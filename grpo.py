@@ -954,15 +954,29 @@ class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
-    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not)."""
+    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
+    A thread receives each bucket as learner 0 sends it, while the engine generates (NCCL's receive waits for the
+    engine's next step: the learner waited 2x longer in a toy run); at most two wait for update_weights."""
     init_info_cls = GlooInitInfo
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         self.timeout = datetime.timedelta(seconds=info.timeout_s)
-        self.packed_buffer_size_bytes = info.packed_buffer_size_bytes
+        self.packed_buffer_size_bytes, self.inbox = info.packed_buffer_size_bytes, queue.Queue(maxsize=1)
         store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
         self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
                                           self.timeout)
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _receive(self) -> None:
+        try:  # every bucket: its size, then its bytes; an error ends the thread and fails the next update
+            while True:
+                size = torch.zeros(1, dtype=torch.int64)
+                self.gloo.broadcast([size], dist.BroadcastOptions()).wait(self.timeout)
+                flat = torch.empty(int(size.item()), dtype=torch.uint8)
+                self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
+                self.inbox.put(flat)
+        except Exception as e:
+            self.inbox.put(e)
 
     def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
         self.receive_weights(self.parse_update_info(update_info))
@@ -973,8 +987,15 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         metas = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
                  for n, d, s in zip(update.names, update.dtype_names, update.shapes))
         while (plan := pack_tensors(metas, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
-            flat = torch.empty(plan.packed_tensor.numel(), dtype=torch.uint8)
-            self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
+            try:
+                flat = self.inbox.get(timeout=self.timeout.total_seconds())
+            except queue.Empty:
+                raise TimeoutError(f"weight stream: no bucket from learner 0 within {self.timeout}") from None
+            if isinstance(flat, Exception):
+                raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
+            if flat.numel() != plan.packed_tensor.numel():
+                raise ValueError(f"weight stream: a bucket of {flat.numel()} bytes where {plan.names[0]} .. "
+                                 f"{plan.names[-1]} take {plan.packed_tensor.numel()}")
             weights = unpack_tensor(flat, plan.names, plan.shapes, plan.dtypes, plan.tensor_sizes)
             if not all(torch.isfinite(w).all() for _, w in weights):
                 raise ValueError(f"weight stream: non-finite values in {plan.names[0]} .. {plan.names[-1]}")
@@ -1008,7 +1029,8 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             return super()._broadcast(source, meta)
         pairs = self._checked_iter(source, meta)
         while (chunk := pack_tensors(pairs, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
-            self.gloo.broadcast([chunk.packed_tensor.cpu()], dist.BroadcastOptions()).wait(self.timeout)
+            for tensor in (torch.tensor([chunk.packed_tensor.numel()]), chunk.packed_tensor.cpu()):
+                self.gloo.broadcast([tensor], dist.BroadcastOptions()).wait(self.timeout)
 
 
 for _factory, _engine in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
