@@ -1,8 +1,9 @@
 """grpo.py: unit tests of the pure pieces (loss, advantages, active sampling, off-policy bound, packing,
-utilization math) against hand-computed values, then end-to-end runs on the toy model (marked slow):
-an inflight weight update seen token by token, a colocated run within the off-policy bound, torchrun
-learner + actor (weights streamed into the engine, no file), two actors, a killed actor, resume, two FSDP2
-learners that resume."""
+utilization math) against hand-computed values, the weight-transfer protocol on our gloo backend, then
+end-to-end runs on the toy model (marked slow): an inflight weight update seen token by token, a colocated
+run within the off-policy bound, torchrun learner + actor (weights streamed into the engine, no file), two
+actors, one engine of two tensor-parallel workers, two nodes, a killed actor, a stopped engine, resume, two
+FSDP2 learners that resume."""
 
 import ast
 import contextlib
