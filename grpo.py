@@ -1631,13 +1631,9 @@ class Link:
         self.header = {}  # of the update under way: finish_weight_update carries it (vLLM's trainer engines pass none)
         self.streamed = None  # the version of the last update sent to the engines
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
-        # weight-transfer calls to the actors, sent in order by a thread: learner 0 never waits for an actor's rank
-        # to take one (start and finish cost 2-14 ms of an update's 40-55 ms in a toy run), only for its workers
-        self.calls, self.caller = queue.Queue(), threading.Thread(target=self._send_calls, daemon=True)
         if local_actor is None:
             for r in actor_ranks:
                 threading.Thread(target=self._receive, args=(r,), daemon=True).start()
-            self.caller.start()
 
     def _receive(self, rank: int):
         wait = self.args.startup_timeout_s  # the first message comes once the actor's engine is up
@@ -1691,15 +1687,10 @@ class Link:
         self._post(dict(self.header, call="finish_weight_update"))
 
     def _post(self, call: dict):
-        (self.local.updates if self.local is not None else self.calls).put(call)
-
-    def _send_calls(self):
-        wait = max(self.args.timeout_s, self.args.startup_timeout_s)
-        try:
-            while (call := self.calls.get()) is not None:
-                broadcast_obj(call, 0, self.groups["weights"], 30.0 if "stop" in call else wait)
-        except Exception as e:
-            self.error = self.error or f"weight-transfer call to the actors: {e}"
+        if self.local is not None:
+            self.local.updates.put(call)
+        else:
+            broadcast_obj(call, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
 
     def wants_weights(self) -> bool:
         """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
@@ -1752,9 +1743,8 @@ class Link:
             with contextlib.suppress(Exception):
                 self.send_prompts(i, None)
         if self.local is None:
-            self.calls.put({"stop": True})
-            self.calls.put(None)
-            self.caller.join(timeout=30.0)
+            with contextlib.suppress(Exception):
+                broadcast_obj({"stop": True}, 0, self.groups["weights"], 30.0)
 
 
 class Dispatcher(threading.Thread):
