@@ -92,8 +92,7 @@ solo $PY dpo.py --model_name_or_path "$OUT/sft" --dataset_mixer_list "$OUT/data/
     "${DPO_ARGS[@]}"
 
 stage "4/5 RL (grpo.py: 1 learner rank + 1 vLLM actor rank)"
-echo "(vLLM's start-up WARNINGs are expected on a CPU: eager mode and no Triton or tcmalloc cost speed only;"
-echo " pickled worker calls are how grpo.py runs its weight-stream functions inside vLLM's worker)"
+echo "(vLLM's start-up WARNINGs are expected on a CPU: eager mode and no Triton or tcmalloc cost speed only)"
 $PY -m torch.distributed.run --nproc-per-node 2 grpo.py --num_learners 1 \
     --model_name_or_path "$OUT/dpo" --output_dir "$OUT/rl" --overwrite_output_dir \
     --dataset_mixer_list "$OUT/data/rlvr.jsonl" 1.0 --eval_dataset_mixer_list "$OUT/data/eval.jsonl" 1.0 \

@@ -19,12 +19,14 @@ Roles. torchrun ranks [0, num_learners) are learners (one learner: plain module;
 the other ranks are actors, each owning one vLLM engine (vLLM spawns its engine process). With one
 process (`python grpo.py`) the actor runs in a thread beside the learner (on CPU each gets half of
 the cores, `--cpu_affinity`, as torchrun ranks do). nccl on GPU, gloo on CPU;
-separate gloo groups carry prompts, finished groups and weight-update headers (Python objects) between
-roles. The weights travel in a process group of their own, learner 0 and every vLLM worker of every
-engine (`WeightSender`; NCCL between GPUs, gloo on CPU, the same code), and each worker loads them with
-vLLM's in-place `reload_weights` as the buckets arrive. With `--vllm_tensor_parallel_size k` an engine
-spans k GPUs and each of its k workers receives the stream. Every wait between roles has a timeout
-(`--timeout_s`).
+separate gloo groups carry prompts, finished groups and weight-transfer calls (Python objects) between
+roles. The weights go through vLLM's weight-transfer engine: learner 0 drives vLLM's trainer engine
+(`send_weights`: start_weight_update, update_weights, finish_weight_update), each actor makes those calls
+on its LLM between two engine steps, and vLLM's workers receive the weights in a process group of their
+own (learner 0 and every worker of every engine) and load them with vLLM's layerwise in-place reload.
+vLLM's `nccl` backend between GPUs; on CPU ours (`GlooWeightTransferEngine`), the same calls. With
+`--vllm_tensor_parallel_size k` an engine spans k GPUs (k CPU workers on CPU) and each of its k workers
+receives the stream. Every wait between roles has a timeout (`--timeout_s`).
 
 Reading order: Args; the cost model (MFU / MBU); the algorithm (advantages, the zero-std filter,
 active sampling, the admission gate, the loss, packing); the chunked LM head and the memory plan; the
@@ -106,15 +108,19 @@ import threading
 import time
 import traceback
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-
-# vLLM runs functions inside its worker process (collective_rpc) only with this set; the functions
-# below join learner 0's weight stream and load what it sends. A worker extension class would avoid it.
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+from vllm.distributed.weight_transfer import (ParamMeta, WeightSource, WeightTransferEngineFactory,
+                                              WeightTransferTrainerFactory)
+from vllm.distributed.weight_transfer.base import materialize_full_tensor
+from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
+                                                          NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
+from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
 
 @dataclass
@@ -904,247 +910,160 @@ def broadcast_obj(obj, src: int, group, timeout_s: float):
     return pickle.loads(data.numpy().tobytes())
 
 
-WEIGHT_BUCKET_BYTES = 256 * 2 ** 20
+# vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
+# GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
+# pickled handles), ours: vLLM's NCCL engines with gloo's process group and broadcast in place of NCCL's.
+GLOO_BACKEND = "grpo_gloo"
 
 
-def plan_buckets(names: list, itemsize: int, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> list[tuple[int, int, int]]:
-    """Consecutive tensors of `names` ((name, shape, dtype), in the order sent) grouped up to bucket_bytes
-    (a larger tensor goes alone): [(first, end, numel)]. Sender and receivers plan from the same list."""
-    out, i = [], 0
-    while i < len(names):
-        j, numel = i, 0
-        while j < len(names) and (j == i or (numel + math.prod(names[j][1])) * itemsize <= bucket_bytes):
-            numel += math.prod(names[j][1])
-            j += 1
-        out.append((i, j, numel))
-        i = j
-    return out
+def weight_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") and dist.is_initialized() else GLOO_BACKEND
 
 
-def weight_group(store, rank: int, size: int, backend: str, timeout_s: float):
-    """The weight stream's process group: learner 0 (rank 0) and every worker of every engine, built on its
-    own TCPStore and outside torch.distributed's default group (vLLM's workers have one of their own).
-    gloo on CPU, NCCL on GPU: the same broadcasts either way."""
-    store = dist.PrefixStore("grpo_weights", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
+@dataclass(kw_only=True)
+class GlooInitInfo(NCCLWeightTransferInitInfo):
+    timeout_s: float = 1800.0
 
 
-def _broadcast(group, tensor, timeout_s: float, what: str, abort=None):
-    _wait(group.broadcast([tensor], dist.BroadcastOptions()), timeout_s, what, abort)
+@dataclass
+class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
+    backend: ClassVar[str] = GLOO_BACKEND
+    timeout_s: float = 1800.0
 
 
-def full_tensors(model, dtype):
-    """(name, full tensor) of each state-dict entry, one at a time. With FSDP2 each is gathered (already in
-    the wire dtype) just before it is sent and freed after: never the whole state on one rank. A collective:
-    every learner iterates, in the same order."""
-    for name, v in model.state_dict().items():
-        yield name, v.detach().to(dtype).full_tensor() if hasattr(v, "full_tensor") else v.detach()
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
+    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
+    A thread receives each bucket as learner 0 sends it, while the engine generates (NCCL's receive waits for the
+    engine's next step: the learner waited 2x longer in a toy run); at most two wait for update_weights."""
+    init_info_cls = GlooInitInfo
 
+    def init_transfer_engine(self, info: GlooInitInfo) -> None:
+        self.timeout = datetime.timedelta(seconds=info.timeout_s)
+        self.packed_buffer_size_bytes, self.inbox = info.packed_buffer_size_bytes, queue.Queue(maxsize=1)
+        store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
+        self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
+                                          self.timeout)
+        threading.Thread(target=self._receive, daemon=True).start()
 
-def wire_names(model, dtype) -> list[tuple[str, tuple, torch.dtype]]:
-    """What every update streams, in order: (name, full shape, wire dtype) of each state-dict entry."""
-    return [(k, tuple(v.shape), dtype) for k, v in model.state_dict().items()]
+    def _receive(self) -> None:
+        try:  # every bucket: its size, then its bytes; an error ends the thread and fails the next update
+            while True:
+                size = torch.zeros(1, dtype=torch.int64)
+                self.gloo.broadcast([size], dist.BroadcastOptions()).wait(self.timeout)
+                flat = torch.empty(int(size.item()), dtype=torch.uint8)
+                self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
+                self.inbox.put(flat)
+        except Exception as e:
+            self.inbox.put(e)
 
+    def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
+        self.receive_weights(self.parse_update_info(update_info))
 
-class WeightSender:
-    """Learner 0's end of the weight stream: rank 0 of a process group whose other ranks are the vLLM
-    workers of every engine (rank 1 + engine x tensor_parallel_size + the worker's rank in its engine).
-    `info` tells the workers where to join (_join_weights_in_worker) and what each update carries
-    (`names`: wire_names); `connect` waits for all of them."""
-
-    def __init__(self, names: list, num_workers: int, backend: str, device, timeout_s: float, host: str = "127.0.0.1"):
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
-        self.info = {"host": host, "port": self.store.port, "world_size": 1 + num_workers, "backend": backend,
-                     "timeout_s": timeout_s, "names": names}
-        self.names, self.dtype, self.device, self.group = names, names[0][2], device, None
-
-    def connect(self, join=None):
-        """Build the group; `join()`, run in a thread meanwhile, makes the workers join (None: they do it
-        on their own, told by a message)."""
-        th, errors = None, []
-        if join is not None:
-            th = threading.Thread(target=self._guard(join, errors), daemon=True)
-            th.start()
-        self.group = weight_group(self.store, 0, self.info["world_size"], self.info["backend"], self.info["timeout_s"])
-        if th is not None:
-            th.join()
-        if errors:
-            raise RuntimeError(f"the engines could not join the weight stream: {errors[0]}") from errors[0]
-
-    @staticmethod
-    def _guard(fn, errors):
-        def run():
+    def receive_weights(self, update) -> None:
+        """Bucket by bucket as the sender cut them (vLLM's pack_tensors, run here on meta tensors of the announced
+        shapes); each is checked, then loaded (load_weights: a tensor-parallel worker takes its shard)."""
+        metas = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
+                 for n, d, s in zip(update.names, update.dtype_names, update.shapes))
+        while (plan := pack_tensors(metas, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
             try:
-                fn()
-            except Exception as e:
-                errors.append(e)
-        return run
+                flat = self.inbox.get(timeout=self.timeout.total_seconds())
+            except queue.Empty:
+                raise TimeoutError(f"weight stream: no bucket from learner 0 within {self.timeout}") from None
+            if isinstance(flat, Exception):
+                raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
+            if flat.numel() != plan.packed_tensor.numel():
+                raise ValueError(f"weight stream: a bucket of {flat.numel()} bytes where {plan.names[0]} .. "
+                                 f"{plan.names[-1]} take {plan.packed_tensor.numel()}")
+            weights = unpack_tensor(flat, plan.names, plan.shapes, plan.dtypes, plan.tensor_sizes)
+            if not all(torch.isfinite(w).all() for _, w in weights):
+                raise ValueError(f"weight stream: non-finite values in {plan.names[0]} .. {plan.names[-1]}")
+            self.model.load_weights(weights)
 
-    def send(self, version: int, tensors, abort=None, announce=None) -> dict:
-        """Stream one update: its version, then bucket after bucket of `tensors` ((name, full tensor) in
-        `names` order), each gathered, cast to the wire dtype and packed just before it goes. The workers
-        receive up to two buckets ahead of their engine's loading; beyond that the stream waits for the
-        engines (their next step boundary, or their drain). `announce()` tells the engines to load: it is
-        called once the first bucket is in the workers (for a small model, the whole update), so that the
-        engines pause for loading only, never for the wire, and before the stream could wait on them.
-        Returns seconds spent gathering and transferring (waits for the engines included)."""
-        names, timeout = self.names, self.info["timeout_s"]
-        t = time.perf_counter()
-        _broadcast(self.group, torch.tensor([version], device=self.device), timeout, "weight stream (version)", abort)
-        times = {"gather": 0.0, "transfer": time.perf_counter() - t}
-        tensors = iter(tensors)
-        for i, j, numel in plan_buckets(names, self.dtype.itemsize):
+
+class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """Learner 0's end of our gloo backend: vLLM's NCCL trainer engine (its send_weights makes the four calls and
+    checks the source against its metadata), its group and broadcast gloo's; the other learners only iterate."""
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+        engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
+        if engine.is_sender:
+            store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
+                                  timeout=engine.timeout)
+            info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
+                                world_size=init_info.world_size, timeout_s=init_info.timeout_s,
+                                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+            with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
+                joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
+                engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
+                joined.result()
+        return engine
+
+    def _broadcast(self, source, meta) -> None:
+        if not self.is_sender:
+            return super()._broadcast(source, meta)
+        pairs = self._checked_iter(source, meta)
+        while (chunk := pack_tensors(pairs, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
+            for tensor in (torch.tensor([chunk.packed_tensor.numel()]), chunk.packed_tensor.cpu()):
+                self.gloo.broadcast([tensor], dist.BroadcastOptions()).wait(self.timeout)
+
+
+for _factory, _engine in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
+                          (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)):
+    with contextlib.suppress(ValueError):  # registered already: a forked vLLM process inherits its parent's registry
+        _factory.register_engine(GLOO_BACKEND, _engine)
+
+
+class WireWeights(WeightSource):
+    """The state dict in the training dtype, one full tensor at a time (FSDP2: each shard cast, then gathered, just
+    before it goes; every learner iterates, in order). `seconds`: the time spent producing them (the gather)."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype, self.seconds = model, dtype, 0.0
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(k, self.dtype, tuple(v.shape)) for k, v in self.model.state_dict().items()]
+
+    def __iter__(self):
+        for name, v in self.model.state_dict().items():
             t = time.perf_counter()
-            flat, off = torch.empty(numel, dtype=self.dtype, device=self.device), 0
-            for name, shape, _ in names[i:j]:
-                got, tensor = next(tensors)
-                if got != name or tuple(tensor.shape) != tuple(shape):
-                    raise ValueError(f"weight stream: {got} {tuple(tensor.shape)} where the header says {name} {shape}")
-                flat[off:off + tensor.numel()].copy_(tensor.reshape(-1))  # casts to the wire dtype
-                off += tensor.numel()
-                del tensor
-            t2 = time.perf_counter()
-            times["gather"] += t2 - t
-            _broadcast(self.group, flat, timeout, f"weight stream (version {version}, bucket at {names[i][0]})", abort)
-            if i == 0 and announce is not None:
-                announce()
-            times["transfer"] += time.perf_counter() - t2
-        return times
+            tensor = materialize_full_tensor(v.detach().to(self.dtype))
+            self.seconds += time.perf_counter() - t
+            yield name, tensor
 
 
-def _join_weights_in_worker(worker, info: dict, first_rank: int):
-    """Runs inside each vLLM worker (collective_rpc): join learner 0's weight stream as rank first_rank +
-    this worker's rank in its engine (its tensor-parallel rank), and start receiving (_receive_buckets)."""
-    import datetime as _datetime
-    import logging as _logging
-    import queue as _queue
-    import threading as _threading
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (`worker_extension_cls`, imported there by name, so nothing is pickled
+    into a worker; the import also registers our gloo backend before the worker builds its engine)."""
 
-    import torch as _torch
-    import torch.distributed as _dist
+    def grpo_watch_owner(self, owner_pid: int) -> None:
+        """vLLM's engine processes outlive a frontend killed with SIGKILL: a thread here takes the engine core (this
+        worker's parent) and the worker down once the process that owns the engine is gone."""
+        engine_core = os.getppid()
 
-    # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor
-    # and puts its own tensors back. A rotary embedding has none to receive (its cos/sin cache is computed
-    # from the config, not a checkpoint weight), so that warning came at every update and meant nothing.
-    def expected(record) -> bool:
-        return str(record.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(record.args)
+        def watch():
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(owner_pid, 0)
+                except ProcessLookupError:
+                    # Only while the engine core is still our parent: once it is gone this process has
+                    # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
+                    if os.getppid() == engine_core:
+                        os.kill(engine_core, signal.SIGKILL)
+                    os._exit(1)
 
-    _logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(lambda r: not expected(r))
-    # this worker's device, read here: the receiving thread starts on device 0 (CUDA's current device is per thread)
-    device = _torch.device("cuda", _torch.cuda.current_device()) if info["backend"] == "nccl" else _torch.device("cpu")
-    store = _dist.TCPStore(info["host"], info["port"], is_master=False,
-                           timeout=_datetime.timedelta(seconds=info["timeout_s"]))
-    rank = first_rank + worker.rank
-    group = weight_group(store, rank, info["world_size"], info["backend"], info["timeout_s"])
-    inbox = _queue.Queue(maxsize=1)
-    worker.grpo_weight_stream = (inbox, info)
-    _threading.Thread(target=_receive_buckets, args=(group, info, device, inbox), daemon=True).start()
-    return rank
+        threading.Thread(target=watch, daemon=True).start()
+        # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor. A
+        # rotary embedding has none (its cos/sin cache comes from the config): that warning meant nothing.
+        import logging
 
-
-def _receive_buckets(group, info: dict, device, inbox):
-    """A thread in each vLLM worker: receives every update as learner 0 streams it (its version, then its
-    buckets) into `inbox`, while the engine keeps generating. The inbox holds one item, so at most two
-    buckets wait for the engine, which loads them only between two steps (_receive_weights_in_worker);
-    learner 0's stream blocks while they wait. An error ends the thread and is handed to the next load."""
-    import torch as _torch
-
-    if device.type == "cuda":
-        _torch.cuda.set_device(device)
-    names, timeout = info["names"], info["timeout_s"]
-    dtype = names[0][2]
-    try:
-        while True:
-            version = _torch.zeros(1, dtype=_torch.int64, device=device)
-            _broadcast(group, version, timeout, "weight stream (next version)")
-            inbox.put(("version", int(version.item())))
-            for i, j, numel in plan_buckets(names, dtype.itemsize):
-                flat = _torch.empty(numel, dtype=dtype, device=device)
-                _broadcast(group, flat, timeout, f"weight stream (bucket at {names[i][0]})")
-                inbox.put(("bucket", flat))
-    except Exception as e:
-        inbox.put(("error", e))
-
-
-def _receive_weights_in_worker(worker, version: int):
-    """Runs inside each vLLM worker (collective_rpc), between two engine steps: load update `version` with
-    vLLM's in-place reload, bucket by bucket as _receive_buckets hands them over (one reload whose iterator
-    reads the stream: each layer is processed once its last tensor is in). Checked before anything loads:
-    the version; each bucket before its tensors load. A reload that fails midway leaves the model half
-    loaded (its layers on the meta device): the caller treats any error as fatal. Returns the seconds
-    spent loading, not waiting for the wire."""
-    import math as _math
-    import queue as _queue
-    import time as _time
-
-    import torch as _torch
-
-    inbox, info = worker.grpo_weight_stream
-    names, timeout, waited = info["names"], info["timeout_s"], [0.0]
-
-    def take(what):
-        t = _time.perf_counter()
-        try:
-            kind, item = inbox.get(timeout=timeout)
-        except _queue.Empty:
-            raise TimeoutError(f"weight stream: no {what} from learner 0 within {timeout:.0f}s") from None
-        waited[0] += _time.perf_counter() - t
-        if kind == "error":
-            raise RuntimeError(f"weight stream: {item}") from item
-        return kind, item
-
-    kind, got = take("version")
-    if (kind, got) != ("version", version):
-        raise ValueError(f"weight stream: learner 0 sends {kind} {got}, this engine expects version {version}")
-    waited[0] = 0.0
-
-    def stream():
-        for i, j, _ in plan_buckets(names, names[0][2].itemsize):
-            _, flat = take("bucket")
-            if not _torch.isfinite(flat).all():
-                raise ValueError(f"weight stream: non-finite values in version {version} "
-                                 f"({names[i][0]} .. {names[j - 1][0]})")
-            off = 0
-            for name, shape, _ in names[i:j]:
-                n = _math.prod(shape)
-                yield name, flat[off:off + n].view(shape)
-                off += n
-
-    t = _time.perf_counter()
-    worker.model_runner.reload_weights(weights_iterator=stream())
-    return _time.perf_counter() - t - waited[0]
-
-
-def _watch_owner_in_worker(worker, owner_pid: int):
-    """Runs inside the vLLM worker process: vLLM's engine processes outlive a frontend killed with
-    SIGKILL, so a thread here takes the engine core (the worker's parent) and the worker down once the
-    process that owns the engine is gone."""
-    import os as _os
-    import signal as _signal
-    import threading as _threading
-    import time as _time
-
-    engine_core = _os.getppid()
-
-    def watch():
-        while True:
-            _time.sleep(1.0)
-            try:
-                _os.kill(owner_pid, 0)
-            except ProcessLookupError:
-                # Only while the engine core is still our parent: once it is gone this process has
-                # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
-                if _os.getppid() == engine_core:
-                    _os.kill(engine_core, _signal.SIGKILL)
-                _os._exit(1)
-
-    _threading.Thread(target=watch, daemon=True).start()
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda r: not (str(r.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(r.args)))
 
 
 def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
@@ -1157,7 +1076,13 @@ def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> lis
     return cores[start:start + base + (local_rank < extra)]
 
 
-def pin_cpu_cores(local_rank: int, is_actor: bool) -> list[int] | None:
+def omp_bind(cores: list[int], tensor_parallel: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `tensor_parallel` workers on `cores`: each worker its own share
+    ("0|1"), or every worker all of them when there are fewer cores than workers."""
+    return "|".join(",".join(map(str, split_cores(cores, i, tensor_parallel) or cores)) for i in range(tensor_parallel))
+
+
+def pin_cpu_cores(local_rank: int, is_actor: bool, tensor_parallel: int = 1) -> list[int] | None:
     """CPU torchrun runs: this rank's share of the cores. Measured on 2 cores, 1 learner + 1 actor:
     unpinned, vLLM's engine-core process spins on sched_yield while its worker computes, the two take
     both cores, and the learner's step ran 5-17x slower than alone; pinned, the learner runs at its
@@ -1172,21 +1097,23 @@ def pin_cpu_cores(local_rank: int, is_actor: bool) -> list[int] | None:
     if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
         return None  # too few cores to split, or the user binds vLLM's threads themselves
     if is_actor:  # vLLM's "auto" binding would hold one core back for its scheduler
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(mine, tensor_parallel)
     else:
         os.sched_setaffinity(0, mine)
     return mine
 
 
 def pin_threads(processes: list, cores: list[int]):
-    """Pin every thread of these psutil processes to `cores`."""
+    """Pin every thread of these psutil processes to `cores`, but for those bound within them already (a
+    tensor-parallel engine's workers, each to its share: omp_bind)."""
     import psutil  # a vLLM dependency
 
     for proc in processes:
         with contextlib.suppress(psutil.Error, OSError):  # a thread or process may end meanwhile
             for th in proc.threads():
                 with contextlib.suppress(OSError):
-                    os.sched_setaffinity(th.id, cores)
+                    if not os.sched_getaffinity(th.id) <= set(cores):
+                        os.sched_setaffinity(th.id, cores)
 
 
 def pin_process_tree(cores: list[int]):
@@ -1207,7 +1134,7 @@ def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Ac
     mine, engine = split_cores(cores, 0, 2), split_cores(cores, 1, 2)
     pin = device == "cpu" and args.cpu_affinity and mine and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if pin:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(engine, args.vllm_tensor_parallel_size)
         torch.set_num_threads(len(mine))
     actor = Actor(args, model_path, 0, emit, device, 1)
     if pin:
@@ -1252,6 +1179,7 @@ class Actor:
 
     def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1):
         from vllm import LLM
+        from vllm.config import WeightTransferConfig
 
         self.args, self.actor_id, self.emit = args, actor_id, emit
         self.inbox, self.updates = queue.Queue(), queue.Queue()
@@ -1268,11 +1196,13 @@ class Actor:
                            max_model_len=args.max_prompt_length + args.max_response_length,
                            max_num_seqs=args.max_num_seqs,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                           tensor_parallel_size=args.vllm_tensor_parallel_size, **kwargs)
+                           tensor_parallel_size=args.vllm_tensor_parallel_size,
+                           worker_extension_cls="grpo.WorkerExtension",
+                           weight_transfer_config=WeightTransferConfig(backend=weight_backend(device)), **kwargs)
         finally:
             os.environ.update(saved)
         self.engine = self.llm.llm_engine
-        self.llm.collective_rpc(_watch_owner_in_worker, args=(os.getpid(),))
+        self.llm.collective_rpc("grpo_watch_owner", args=(os.getpid(),))
         self.version = None  # the learner version the engine's weights come from
         self.shape = ModelShape.from_config(self.engine.model_config.hf_config)
         self.peak_device = device if device == "cpu" else "cuda"
@@ -1405,35 +1335,44 @@ class Actor:
         return s
 
     # -- weights --------------------------------------------------------------------------------
-    def connect_weights(self, info: dict, first_rank: int):
-        """Every worker of this engine joins learner 0's weight stream (WeightSender.info) as rank
-        first_rank + its tensor-parallel rank; returns once all have."""
-        self.llm.collective_rpc(_join_weights_in_worker, args=(info, first_rank))
+    def init_weights(self, init_info: dict):
+        """vLLM's init_weight_transfer_engine: this engine's workers join learner 0's weight stream as ranks
+        rank_offset + actor id x tensor_parallel_size + their tensor-parallel rank; returns once all have."""
+        offset = init_info["rank_offset"] + self.actor_id * self.args.vllm_tensor_parallel_size
+        self.llm.init_weight_transfer_engine({"init_info": dict(init_info, rank_offset=offset)})
 
-    def _apply_update(self, upd: dict):
-        """Load new weights between two engine steps: the workers receive the stream learner 0 sends now
-        and load it as it arrives. Inflight: running requests and their KV cache stay; the scheduler
-        pause only makes vLLM's per-token version labels exact."""
+    def _next_call(self) -> dict:
+        try:  # learner 0 sends an update's calls back to back
+            return self.updates.get(timeout=self.args.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no weight update call from learner 0 within {self.args.timeout_s:.0f}s") from None
+
+    def _apply_update(self, call: dict):
+        """Between two engine steps, make learner 0's calls on the LLM: start_weight_update, update_weights (the
+        workers receive and load the weights as learner 0 sends them), finish_weight_update with the version;
+        or only update_weight_version (no weights). Inflight: running requests and their KV cache stay; the
+        scheduler pause only makes vLLM's per-token version labels exact."""
         t = time.perf_counter()
-        core = self.engine.engine_core
-        if upd.get("stream"):
-            core.call_utility("pause_scheduler", "keep", False)  # mode keep: no abort, no cache clear
+        if call["call"] == "start_weight_update":
+            self.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
             try:
-                loads = self.llm.collective_rpc(_receive_weights_in_worker, args=(upd["version"],))
+                self.llm.start_weight_update()
+                while (call := self._next_call())["call"] == "update_weights":
+                    self.llm.update_weights({"update_info": call["update_info"]})
+                self.llm.finish_weight_update(str(call["version"]))
             except Exception as e:
-                raise RuntimeError(f"actor {self.actor_id}: weight update to version {upd['version']} failed; the "
+                raise RuntimeError(f"actor {self.actor_id}: weight update after version {self.version} failed; the "
                                    f"engine is unusable now: {e}") from e
-            self.engine.set_weight_version(str(upd["version"]))
-            core.call_utility("resume_scheduler")
-            self.stats["weight_apply_s"] += max(loads)  # the slowest tensor-parallel worker
+            self.engine.engine_core.call_utility("resume_scheduler")
+            self.stats["weight_apply_s"] += time.perf_counter() - t
             self.stats["weight_loads"] += 1
         else:
-            self.engine.set_weight_version(str(upd["version"]))
-        self.version, self.wants = upd["version"], None
+            self.llm.update_weight_version(str(call["version"]))
+        self.version, self.wants = call["version"], None
         self.stats["weight_load_s"] += time.perf_counter() - t
         self.stats["updates"] += 1
-        if upd.get("probe_ids"):
-            self._start_probe(upd["probe_ids"], upd["probe_logprobs"], upd["version"])
+        if call.get("probe_ids"):
+            self._start_probe(call["probe_ids"], call["probe_logprobs"], call["version"])
 
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
@@ -1547,9 +1486,9 @@ class Actor:
 
 def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: str, model_path: str,
                    cores: list[int] | None = None, gpus: str | None = None):
-    """An actor rank: threads move prompts in, groups out, and weight update headers in over gloo (the
-    weights themselves stream from learner 0 straight into the engine's workers); the main thread runs the
-    engine loop. Any failure is sent to learner 0 and the process exits non-zero."""
+    """An actor rank: threads move prompts in, groups out, and learner 0's weight-transfer calls in over gloo (the
+    weights themselves go from learner 0 straight into the engine's workers); the main thread runs the engine loop.
+    Any failure is sent to learner 0 and the process exits non-zero."""
     print(f"[actor rank {rank}] pid {os.getpid()}: starting vLLM" + (f" on GPUs {gpus}" if gpus else ""), flush=True)
     if gpus:  # the engine's workers (vLLM's processes, one per GPU) see only this engine's GPUs
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
@@ -1558,9 +1497,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     actor = Actor(args, model_path, rank - num_learners, outbox.put, device, dist.get_world_size() - num_learners)
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
-    # Learner 0 says where to join its weight stream once it is up; the workers join before any update.
-    info = broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)
-    actor.connect_weights(info, 1 + actor.actor_id * args.vllm_tensor_parallel_size)
+    # Learner 0's first call, once it is up: the workers join its weight stream before any update.
+    actor.init_weights(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
     errors = []
 
     def guarded(fn):
@@ -1587,7 +1525,7 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                 return
             send_obj(msg, learner0, groups["data"], args.timeout_s)
 
-    def weights_in():  # headers only: the engine loop receives the tensors themselves (Actor._apply_update)
+    def weights_in():  # the calls only: the engine loop makes them, and its workers receive the weights
         while not actor.stop.is_set():
             msg = broadcast_obj(None, learner0, groups["weights"], args.timeout_s)
             if msg.get("stop"):
@@ -1656,8 +1594,9 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
 # -------------------------------------------------------------------------------------------------
 class Link:
     """Learner 0's view of the actors: `send_prompts(actor, list)`, a `results` queue of messages
-    (groups, errors), `send_weights(header, tensors)`. Colocated: queues. torchrun: gloo groups. The
-    weights themselves go through the weight stream (`connect_weights`), into the engines' workers."""
+    (groups, errors), `send_weights(header, transfer)`. Colocated: queues. torchrun: gloo groups. The
+    weights themselves go through vLLM's weight-transfer engine, into the engines' workers; the Link is
+    that engine's client (vLLM's VLLMWeightSyncClient: its four calls)."""
 
     def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None,
                  results: queue.Queue | None = None):
@@ -1668,7 +1607,7 @@ class Link:
         self.closing = threading.Event()
         self.lock = threading.Lock()
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
-        self.sender = None
+        self.header = {}  # of the update under way: finish_weight_update carries it (vLLM's trainer engines pass none)
         self.streamed = None  # the version of the last update sent to the engines
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
@@ -1709,14 +1648,28 @@ class Link:
             with self.lock:  # the dispatcher thread and evaluation both send; a message is two sends
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
 
-    def connect_weights(self, sender: WeightSender):
-        """Every engine's workers join the weight stream; returns once all have."""
-        self.sender = sender
+    # vLLM's four calls, from learner 0's trainer engine: each goes to every actor, which makes it on its LLM
+    # (Actor.init_weights, Actor._apply_update), in order. A call returns once sent; an actor's failure comes back
+    # as its error message.
+    def init_weight_transfer_engine(self, init_info: dict):
+        if self.local is not None:  # the colocated actor thread has not started yet
+            return self.local.init_weights(init_info)
+        self._post({"call": "init_weight_transfer_engine", "init_info": init_info})
+
+    def start_weight_update(self):
+        self._post({"call": "start_weight_update"})
+
+    def update_weights(self, update_info: dict):
+        self._post({"call": "update_weights", "update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        self._post(dict(self.header, call="finish_weight_update"))
+
+    def _post(self, call: dict):
         if self.local is not None:
-            sender.connect(join=lambda: self.local.connect_weights(sender.info, 1))
-        else:  # each actor rank has its workers join once its engine is up (run_actor_rank)
-            broadcast_obj(sender.info, 0, self.groups["weights"], self.args.startup_timeout_s)
-            sender.connect()
+            self.local.updates.put(call)
+        else:
+            broadcast_obj(call, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
 
     def wants_weights(self) -> bool:
         """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
@@ -1724,20 +1677,29 @@ class Link:
         asked = [self.local.wants] if self.local is not None else list(self.wants.values())
         return any(v is not None and v >= self.streamed for v in asked)
 
-    def send_weights(self, header: dict, tensors, timeout_s: float) -> dict:
-        """A weight update: its header (version, probe; `stream`: its weights stream into the engines'
-        workers) to every actor, and the stream of `tensors` (returns its times)."""
-        def announce():
-            if self.local is not None:
-                self.local.updates.put(header)
-            else:
-                broadcast_obj(header, 0, self.groups["weights"], timeout_s)
-
-        self.streamed = header["version"]
+    def send_weights(self, header: dict, transfer, timeout_s: float):
+        """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
+        thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included)."""
+        self.streamed, self.header = header["version"], header
         if not header.get("stream"):
-            announce()
-            return {}
-        return self.sender.send(header["version"], tensors, abort=lambda: self.error, announce=announce)
+            return self._post(dict(header, call="update_weight_version"))
+        errors, done = [], threading.Event()
+
+        def send():
+            try:
+                transfer.send_weights()
+            except Exception as e:
+                errors.append(e)
+            done.set()
+
+        threading.Thread(target=send, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(0.05):
+            why = self.error or (time.monotonic() > deadline and f"no end in {timeout_s:.0f}s ({self.silent_actors()})")
+            if why:
+                raise RuntimeError(f"weight update to version {header['version']} abandoned: {why}")
+        if errors:
+            raise RuntimeError(f"weight update to version {header['version']} failed: {errors[0]}") from errors[0]
 
     def final_stats(self, num_actors: int, timeout_s: float) -> list[dict]:
         """After close(): the stats deltas of the messages nobody consumed and of each actor's last word
@@ -2028,9 +1990,7 @@ def load_prompts(args: Args, tokenizer) -> tuple:
 
 
 def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) -> tuple[Link, Actor | None]:
-    """Learner 0's link to the actors, and the weight stream into every engine's workers (gloo on CPU,
-    NCCL between GPUs; gloo when the learner shares its GPU with the engine: NCCL takes one rank per
-    GPU). A colocated run (one process) starts its engine here, run by a thread."""
+    """Learner 0's link to the actors. A colocated run (one process) starts its engine here, run by a thread."""
     local_actor = None
     if layout.world_size == 1:
         results = queue.Queue()
@@ -2038,11 +1998,6 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
         link = Link(args, [], None, local_actor, results)
     else:
         link = Link(args, layout.actor_ranks, layout.groups, None)
-    backend = "nccl" if layout.device.startswith("cuda") and layout.world_size > 1 else "gloo"
-    link.connect_weights(WeightSender(
-        wire_names(policy.model, policy.wire_dtype), layout.num_actors * args.vllm_tensor_parallel_size, backend,
-        layout.device if backend == "nccl" else "cpu", max(args.timeout_s, args.startup_timeout_s),
-        os.environ.get("MASTER_ADDR", "127.0.0.1")))
     if local_actor is not None:
         def actor_thread():
             try:
@@ -2056,6 +2011,21 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
     return link, local_actor
 
 
+def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | None):
+    """ALL learners: vLLM's trainer engine over the policy's weights in the training dtype (WireWeights), learner 0
+    the sender: every engine's workers join its stream here (through `link`, its client)."""
+    address, workers = os.environ.get("MASTER_ADDR", "127.0.0.1"), layout.num_actors * args.vllm_tensor_parallel_size
+    if weight_backend(layout.device) == "nccl":
+        from vllm.utils.network_utils import get_open_port
+
+        info = NCCLTrainerInitInfo(address, get_open_port(), 1 + workers, rank=layout.rank)
+    else:
+        info = GlooTrainerInitInfo(address, 0, 1 + workers, timeout_s=max(args.timeout_s, args.startup_timeout_s),
+                                   rank=layout.rank)
+    return WeightTransferTrainerFactory.trainer_init(info, client=link,
+                                                     source=WireWeights(policy.model, policy.wire_dtype))
+
+
 def probe_ids_for(train_ds, tokenizer) -> list[int]:
     """The sequence whose logprobs learner and engines compare after every update: a training prompt and
     a fixed answer."""
@@ -2063,13 +2033,12 @@ def probe_ids_for(train_ds, tokenizer) -> list[int]:
             + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False))
 
 
-def sync_weights(args: Args, policy: Policy, layout: Layout, link: Link | None, probe_ids, version: int,
+def sync_weights(args: Args, policy: Policy, layout: Layout, link: Link | None, transfer, probe_ids, version: int,
                  full: bool) -> dict:
-    """ALL learners call this (FSDP2 gathers are collective). Learner 0 streams the weights into every
-    engine's workers, parameter by parameter, in the training dtype, and sends the header (the version
-    and the learner's logprobs of the probe sequence) on the way (Link.send_weights; without `full`,
-    only the header: the initial check). Returns seconds: sync (all of it), and gather, transfer
-    (learner 0, full updates)."""
+    """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the header (the version and the
+    learner's logprobs of the probe sequence) and, with `full`, the weights, in the training dtype, through vLLM's
+    trainer engine `transfer` (Link.send_weights; without `full`: the initial check). Returns seconds: sync (all of
+    it), and on learner 0 for full updates gather (producing the full tensors) and transfer (the rest)."""
     t = time.perf_counter()
     groups, num_learners = layout.groups, layout.num_learners
     probe = None
@@ -2081,14 +2050,14 @@ def sync_weights(args: Args, policy: Policy, layout: Layout, link: Link | None, 
             with policy.autocast:
                 lp, _ = token_logprobs(policy.model, batch)
         probe = lp[:-1].tolist()
-    times = {}
+    t_send, transfer.source.seconds = time.perf_counter(), 0.0
     if layout.is_main:
         header = {"version": version, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
-        times = link.send_weights(header, full_tensors(policy.model, policy.wire_dtype) if full else (),
-                                  args.timeout_s if full else args.startup_timeout_s)
-    elif full:
-        for _ in full_tensors(policy.model, policy.wire_dtype):  # each gather is a collective of all learners
-            pass
+        link.send_weights(header, transfer, args.timeout_s if full else args.startup_timeout_s)
+    elif full:  # each gather is a collective of all learners
+        transfer.send_weights()
+    gather = transfer.source.seconds
+    times = {"gather": gather, "transfer": time.perf_counter() - t_send - gather} if full and layout.is_main else {}
     return dict(times, sync=time.perf_counter() - t)
 
 
@@ -2390,8 +2359,9 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
         print(f"[grpo] {sandbox_description()}", flush=True)
         link, local_actor = connect_actors(args, policy, layout, model_path)
         logger = MetricsLogger(args, append=latest is not None)
+    transfer = weight_transfer(args, policy, layout, link)
     version = start_step
-    sync_weights(args, policy, layout, link, probe_ids, version, full=False)  # the engines loaded model_path
+    sync_weights(args, policy, layout, link, transfer, probe_ids, version, full=False)  # the engines loaded model_path
     if is_main:
         dispatcher = Dispatcher(args, train_ds, link, layout.num_actors, position, version)
         dispatcher.start()
@@ -2430,7 +2400,8 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
         evaluates = eval_ds is not None and args.eval_every and ((step + 1) % args.eval_every == 0
                                                                  or step + 1 == args.num_training_steps)
         streams = stream_now(args, layout, link, version, evaluates)
-        sync = sync_weights(args, policy, layout, link, probe_ids, version, full=True) if streams else {"sync": 0.0}
+        sync = (sync_weights(args, policy, layout, link, transfer, probe_ids, version, full=True) if streams
+                else {"sync": 0.0})
         if is_main:
             dispatcher.begin_step(version)
         if num_learners > 1:  # each learner trained its own bins: the step's numbers are sums over learners
@@ -2522,7 +2493,7 @@ def main():
         device = f"cuda:{first}"
     cores = None
     if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
-        cores = pin_cpu_cores(local_rank, is_actor=not is_learner)
+        cores = pin_cpu_cores(local_rank, not is_learner, args.vllm_tensor_parallel_size)
         print(f"[rank {rank}] pinned to CPU cores {cores}" if cores
               else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, "
                    "or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)

@@ -1,8 +1,9 @@
 """grpo.py: unit tests of the pure pieces (loss, advantages, active sampling, off-policy bound, packing,
-utilization math) against hand-computed values, then end-to-end runs on the toy model (marked slow):
-an inflight weight update seen token by token, a colocated run within the off-policy bound, torchrun
-learner + actor (weights streamed into the engine, no file), two actors, a killed actor, resume, two FSDP2
-learners that resume."""
+utilization math) against hand-computed values, the weight-transfer protocol on our gloo backend, then
+end-to-end runs on the toy model (marked slow): an inflight weight update seen token by token, a colocated
+run within the off-policy bound, torchrun learner + actor (weights streamed into the engine, no file), two
+actors, one engine of two tensor-parallel workers, two nodes, a killed actor, a stopped engine, resume, two
+FSDP2 learners that resume."""
 
 import ast
 import contextlib
@@ -124,42 +125,61 @@ def test_engine_gpus_learners_first_then_tensor_parallel_engines(monkeypatch):
         grpo.engine_gpus(4, 4, 8, 4, 2, 8)  # 4 learners + 4 engines of 2 GPUs on 8 GPUs
 
 
-def test_weight_stream_round_trip_checks_before_loading():
-    """learner 0 -> one worker over the weight stream (gloo, both ends in this process; a stand-in for
-    vLLM's model runner): buckets arrive whole and in order and are handed to one reload; a bucket with
-    non-finite values and an update whose version is not the one the engine expects fail before their
-    tensors load."""
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")  # buckets smaller than a tensor, on purpose
+def test_gloo_weight_transfer_round_trip_checks_before_loading():
+    """learner 0 -> one worker through vLLM's weight-transfer protocol on our gloo backend (both ends in this
+    process; the worker engine comes from vLLM's factory, its model is a stand-in recording what load_weights
+    gets): vLLM's send_weights makes the four calls in order, the worker cuts the buckets where vLLM's
+    pack_tensors cut them on the sender, each arrives whole, and a bucket with non-finite values fails before
+    it loads."""
     from types import SimpleNamespace
 
-    names = [("a", (3, 4), torch.float32), ("b", (5,), torch.float32), ("c", (2, 50), torch.float32)]
-    sd = {n: torch.randn(shape) for n, shape, _ in names}
-    loads = []
-    runner = SimpleNamespace(reload_weights=lambda weights_iterator: loads.append(
-        {k: v.clone() for k, v in weights_iterator}))
-    worker = SimpleNamespace(rank=0, model_runner=runner)
-    sender = grpo.WeightSender(names, 1, "gloo", "cpu", 30)
-    sender.connect(join=lambda: grpo._join_weights_in_worker(worker, sender.info, 1))
-    assert [b[:2] for b in grpo.plan_buckets(names, 4, bucket_bytes=64)] == [(0, 1), (1, 2), (2, 3)]
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    def send(version, state):
-        th = threading.Thread(target=sender.send, args=(version, state.items()), daemon=True)
-        th.start()
-        return th
+    loads, calls = [], []
+    model = SimpleNamespace(load_weights=lambda weights: loads.append({k: v.clone() for k, v in weights}))
+    worker = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend=grpo.GLOO_BACKEND),
+        SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None), torch.device("cpu"), model)
 
-    th = send(1, sd)
-    assert grpo._receive_weights_in_worker(worker, 1) >= 0
-    th.join(10)
-    assert len(loads) == 1 and list(loads[0]) == ["a", "b", "c"]
-    assert all(torch.equal(loads[0][k], sd[k]) for k in sd)
-    th = send(2, dict(sd, b=torch.full((5,), float("nan"))))
-    with pytest.raises(ValueError, match="non-finite values in version 2"):
-        grpo._receive_weights_in_worker(worker, 2)
-    th.join(10)
-    th = send(3, sd)
-    with pytest.raises(ValueError, match="expects version 4"):
-        grpo._receive_weights_in_worker(worker, 4)
-    th.join(10)
-    assert len(loads) == 1  # neither failed update reached a load
+    class Client:  # vLLM's four calls, made on the worker engine at once (an actor makes them on its LLM)
+        def init_weight_transfer_engine(self, init_info):
+            calls.append("init")
+            worker.init_transfer_engine(worker.parse_init_info(init_info))
+
+        def start_weight_update(self):
+            calls.append("start")  # vLLM's layerwise reload: needs vLLM's model, run by the end-to-end tests
+
+        def update_weights(self, update_info):
+            calls.append("update")
+            worker.update_weights(update_info)
+
+        def finish_weight_update(self, weight_version=None):
+            calls.append("finish")
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50))  # 48, 12, 600 and 200 bytes
+    source = grpo.WireWeights(net, torch.float32)
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=64, timeout_s=30.0, rank=0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=Client(), source=source)
+    trainer.send_weights()
+    assert calls == ["init", "start", "update", "finish"]
+    pairs, cuts = iter(source), []
+    while (chunk := pack_tensors(pairs, lambda item: item[1], 64)) is not None:
+        cuts.append(chunk.names)
+    assert [list(b) for b in loads] == cuts == [["0.weight", "0.bias", "1.weight"], ["1.bias"]]
+    assert all(torch.equal(b[k], v) for b in loads for k, v in net.state_dict().items() if k in b)
+    with torch.no_grad():
+        net[1].bias[3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values in 1.bias"):
+        trainer.send_weights()
+    assert len(loads) == 3  # the first bucket loaded, the one with the NaN did not
+
+
+def test_omp_bind_gives_each_tensor_parallel_worker_its_cores():
+    assert grpo.omp_bind([2, 3], 2) == "2|3" and grpo.omp_bind([0, 1, 2], 1) == "0,1,2"
+    assert grpo.omp_bind([0, 1, 2], 2) == "0,1|2" and grpo.omp_bind([1], 2) == "1|1"  # too few: each gets all
 
 
 def test_split_cores_gives_each_local_rank_its_own_share():
@@ -939,28 +959,37 @@ def _args(**kw):
 
 
 def _connect_stream(actor, model):
-    """Be learner 0 of a weight stream to `actor`'s engine, as grpo.learner is (gloo, fp32 on the wire)."""
-    sender = grpo.WeightSender(grpo.wire_names(model, torch.float32), 1, "gloo", "cpu", 120)
-    sender.connect(join=lambda: actor.connect_weights(sender.info, 1))
-    return sender
+    """Be learner 0 of a weight transfer to `actor`'s engine, as grpo.learner is with a colocated actor: vLLM's
+    trainer engine on our gloo backend (fp32 on the wire), its calls queued for the actor's engine loop."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    link = grpo.Link(actor.args, [], None, actor)
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=120.0, rank=0)
+    source = grpo.WireWeights(model, torch.float32)
+    transfer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
+    return link, transfer
 
 
 def _weight_update(model, version, probe_ids):
     """What learner 0 sends: a header (the version, and the learner's logprobs of a fixed probe sequence),
-    then the tensors themselves."""
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    and the model whose weights go."""
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), -1)
     header = {"version": version, "stream": True, "probe_ids": probe_ids,
               "probe_logprobs": [lp[t, probe_ids[t + 1]].item() for t in range(len(probe_ids) - 1)]}
-    return header, sd
+    return header, model
 
 
-def _push(actor, sender, update) -> dict:
-    """The header to the actor, then the stream (it returns once the engine's workers hold the last bucket)."""
-    header, sd = update
-    actor.updates.put(header)
-    return sender.send(header["version"], sd.items())
+def _push(stream, update):
+    """vLLM's four calls to the actor and the weights to its workers (Link.send_weights): returns once the workers
+    received the last bucket."""
+    (link, transfer), (header, model) = stream, update
+    transfer.source = grpo.WireWeights(model, torch.float32)
+    link.send_weights(header, transfer, 120.0)
+
+
+def _version_only(version, **probe):
+    return {"call": "update_weight_version", "version": version, **probe}
 
 
 @pytest.mark.slow
@@ -1001,14 +1030,14 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        actor.updates.put({"version": 0})
+        actor.updates.put(_version_only(0))
         actor.inbox.put([{"kind": "train", "index": 0, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
                           "n": 2}])
         deadline = time.time() + 120
         wait_until_both_samples_run(deadline)
         before = {rid: list(s["tokens"]) for rid, s in actor.pending.items()}
         first = _weight_update(new, 1, probe_ids)
-        _push(actor, sender, first)
+        _push(sender, first)
         while not out:
             assert time.time() < deadline and not errors, errors
             time.sleep(0.01)
@@ -1043,19 +1072,22 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
                           "n": 2}])
         wait_until_both_samples_run(deadline + 120)
-        _push(actor, sender, _weight_update(model, 2, probe_ids))
-        assert actor.version == 1 and actor.pending  # the whole stream is in the workers; the engine still drains
+        push = threading.Thread(target=_push, args=(sender, _weight_update(model, 2, probe_ids)), daemon=True)
+        push.start()
+        assert actor.version == 1 and actor.pending  # the stream waits for the engine, which drains first
         while actor.version != 2 or actor.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline + 240 and not errors, errors
             time.sleep(0.01)
+        push.join(10)
+        assert not push.is_alive()
         time.sleep(0.2)
         assert not errors, errors
         (drained,) = [m["group"] for m in out[n_out:] if "group" in m]
         assert all(s["versions"] == [1] * 160 for s in drained["samples"])  # no update mid-sequence
         # a probe that disagrees must stop the actor
         header, _ = first
-        actor.updates.put({"version": 5, "probe_ids": probe_ids,
-                           "probe_logprobs": [x + 0.5 for x in header["probe_logprobs"]]})
+        actor.updates.put(_version_only(5, probe_ids=probe_ids,
+                                        probe_logprobs=[x + 0.5 for x in header["probe_logprobs"]]))
         thread.join(timeout=60)
         assert errors and "stale or corrupted" in str(errors[0])
     finally:
@@ -1095,10 +1127,10 @@ def test_prefix_cache_is_reused_only_within_a_policy_version(toy_model_dir, tmp_
     sender = _connect_stream(actor, model)
     threading.Thread(target=run, daemon=True).start()
     try:
-        actor.updates.put({"version": 0})
+        actor.updates.put(_version_only(0))
         assert prefill_of_next_group(0) == 320
         assert prefill_of_next_group(1) < 320  # control: same version, the prompt's blocks come from the cache
-        _push(actor, sender, _weight_update(model, 1, probe_ids))
+        _push(sender, _weight_update(model, 1, probe_ids))
         deadline = time.time() + 120
         while actor.version != 1 or actor.probe is not None:
             assert time.time() < deadline and not errors, errors
@@ -1442,6 +1474,71 @@ def test_torchrun_weights_reach_two_actors(toy_model_dir, toy_data_dir, tmp_path
     assert len(rows) == 4 and json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 2
     assert sum(r["sync/probe_checks"] for r in rows) >= 4
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+
+
+@pytest.mark.slow
+def test_torchrun_tensor_parallel_engine_loads_every_update(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 1 actor whose engine has two workers (--vllm_tensor_parallel_size 2: vLLM CPU's
+    multiprocess workers, each bound by grpo.py to its share of the actor's cores): both workers join the weight
+    stream and load their own shard of every update. The probe after each update matches (a worker left on old
+    weights would add its stale half to the all-reduce; a failed probe is fatal) and every token carries a version
+    within the off-policy bound. A reward by length gives every step a gradient, so every update changes weights."""
+    data = _rewarded_by_length(toy_data_dir, tmp_path)
+    out, steps = str(tmp_path / "run"), 3
+    rc, log = _torchrun(2, toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps),
+                        "--vllm_tensor_parallel_size", "2", "--dataset_mixer_list", str(data), "1.0",
+                        "--learning_rate", "1e-4", timeout=700)
+    assert rc == 0, log[-3000:]
+    pinned = re.search(r"\[rank 1\] pinned to CPU cores (\[[\d, ]*\])", log)
+    if pinned:  # vLLM's own report of the binding it was given: each worker its share
+        assert f"VLLM_CPU_OMP_THREADS_BIND={grpo.omp_bind(ast.literal_eval(pinned.group(1)), 2)!r}" in log, log[-3000:]
+    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(rows) == steps and all(r["rollout/groups"] == 2 for r in rows)
+    assert sum(r["sync/probe_checks"] for r in rows) >= steps - 1
+    assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+    assert all(0 <= r["rollout/lag_first_token_max"] == r["rollout/lag_max"] <= 2 for r in rows)
+    assert json.load(open(os.path.join(out, "summary.json")))["weight_updates"] == steps
+
+
+@pytest.mark.slow
+def test_two_nodes_learner_node_and_actor_node(toy_model_dir, toy_data_dir, tmp_path):
+    """README's two-node launch with both "nodes" on this machine: two torchrun agents (--nnodes 2, one process
+    each, c10d rendezvous on 127.0.0.1) make one run, the learner on one node and the actor on the other; it trains
+    a few steps, and every update crosses from one node's learner into the other node's engine (probe matches)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "run")
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "3", "--eval_every", "0",
+                       "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4",
+                       "--max_prompts_per_step_factor", "2", "--num_learners", "1")
+    procs, logs = [], []
+    for node in (0, 1):  # node 0 hosts the rendezvous store
+        logs.append(open(tmp_path / f"node{node}.log", "w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpo-two-nodes",
+             "--rdzv-conf", f"is_host={int(node == 0)}", "grpo.py", *cmd],
+            cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        rcs = [p.wait(timeout=700) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()
+    texts = [open(tmp_path / f"node{node}.log").read() for node in (0, 1)]
+    assert rcs == [0, 0], [t[-2000:] for t in texts]
+    learner_node = [i for i, t in enumerate(texts) if "1 learner(s), 1 actor(s)" in t]
+    actor_node = [i for i, t in enumerate(texts) if "[actor rank 1] pid" in t]
+    assert len(learner_node) == len(actor_node) == 1 and learner_node != actor_node, [t[-2000:] for t in texts]
+    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    assert len(rows) == 3 and sum(r["sync/probe_checks"] for r in rows) >= 2
+    assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+    assert json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 1
 
 
 @pytest.mark.slow
