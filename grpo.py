@@ -115,12 +115,17 @@ from typing import ClassVar
 import numpy as np
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer import (ParamMeta, WeightSource, WeightTransferEngineFactory,
-                                              WeightTransferTrainerFactory)
-from vllm.distributed.weight_transfer.base import materialize_full_tensor
-from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
-                                                          NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
-from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+try:
+    from vllm.distributed.weight_transfer import (ParamMeta, WeightSource, WeightTransferEngineFactory,
+                                                  WeightTransferTrainerFactory)
+    from vllm.distributed.weight_transfer.base import materialize_full_tensor
+    from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
+                                                              NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+except ImportError:  # the learner alone (bench_learner.py on a GPU machine without vLLM) imports this file too
+    WeightTransferEngineFactory = None
+    NCCLTrainerInitInfo = NCCLTrainerWeightTransferEngine = NCCLWeightTransferEngine = WeightSource = object
+    NCCLWeightTransferInitInfo = object
 
 
 @dataclass
@@ -1012,8 +1017,9 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                 self.gloo.broadcast([tensor], dist.BroadcastOptions()).wait(self.timeout)
 
 
-for _factory, _engine in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
-                          (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)):
+_OUR_ENGINES = (((WeightTransferEngineFactory, GlooWeightTransferEngine),
+                 (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)) if WeightTransferEngineFactory else ())
+for _factory, _engine in _OUR_ENGINES:
     with contextlib.suppress(ValueError):  # registered already: a forked vLLM process inherits its parent's registry
         _factory.register_engine(GLOO_BACKEND, _engine)
 
