@@ -1504,7 +1504,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
     # Learner 0's first call, once it is up: the workers join its weight stream before any update.
-    actor.init_weights(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
+    (first_call,) = broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)
+    actor.init_weights(first_call["init_info"])
     errors = []
 
     def guarded(fn):
@@ -1534,9 +1535,10 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     def weights_in():  # the calls only: the engine loop makes them, and its workers receive the weights
         while not actor.stop.is_set():
             msg = broadcast_obj(None, learner0, groups["weights"], args.timeout_s)
-            if msg.get("stop"):
+            if isinstance(msg, dict) and msg.get("stop"):
                 return
-            actor.updates.put(msg)
+            for call in msg:
+                actor.updates.put(call)
 
     def stalled_engine(busy: float) -> str:
         """Say which engine stopped answering, and kill its processes (a stopped one ignores anything
@@ -1614,6 +1616,7 @@ class Link:
         self.lock = threading.Lock()
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
         self.header = {}  # of the update under way: finish_weight_update carries it (vLLM's trainer engines pass none)
+        self.started = False  # start_weight_update was called: update_weights sends it
         self.streamed = None  # the version of the last update sent to the engines
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
@@ -1654,28 +1657,34 @@ class Link:
             with self.lock:  # the dispatcher thread and evaluation both send; a message is two sends
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
 
-    # vLLM's four calls, from learner 0's trainer engine: each goes to every actor, which makes it on its LLM
-    # (Actor.init_weights, Actor._apply_update), in order. A call returns once sent; an actor's failure comes back
-    # as its error message.
+    # vLLM's four calls, from learner 0's trainer engine: each actor makes them on its LLM (Actor.init_weights,
+    # Actor._apply_update), in this order. An update's three travel in one message, sent as update_weights is called
+    # (before the weights): the actor makes each only after the one before returned, so finish follows the load,
+    # and the learner pays one message per update, not three. A call returns once sent; an actor's failure comes
+    # back as its error message.
     def init_weight_transfer_engine(self, init_info: dict):
         if self.local is not None:  # the colocated actor thread has not started yet
             return self.local.init_weights(init_info)
-        self._post({"call": "init_weight_transfer_engine", "init_info": init_info})
+        self._post([{"call": "init_weight_transfer_engine", "init_info": init_info}])
 
     def start_weight_update(self):
-        self._post({"call": "start_weight_update"})
+        self.started = True
 
     def update_weights(self, update_info: dict):
-        self._post({"call": "update_weights", "update_info": update_info})
+        assert self.started, "vLLM's protocol: start_weight_update before update_weights"
+        self.started = False
+        self._post([{"call": "start_weight_update"}, {"call": "update_weights", "update_info": update_info},
+                    dict(self.header, call="finish_weight_update")])
 
     def finish_weight_update(self, weight_version: str | None = None):
-        self._post(dict(self.header, call="finish_weight_update"))
+        pass  # sent with update_weights; the version and probe it carries are self.header
 
-    def _post(self, call: dict):
+    def _post(self, calls: list[dict]):
         if self.local is not None:
-            self.local.updates.put(call)
+            for call in calls:
+                self.local.updates.put(call)
         else:
-            broadcast_obj(call, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
+            broadcast_obj(calls, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
 
     def wants_weights(self) -> bool:
         """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
@@ -1688,7 +1697,7 @@ class Link:
         thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included)."""
         self.streamed, self.header = header["version"], header
         if not header.get("stream"):
-            return self._post(dict(header, call="update_weight_version"))
+            return self._post([dict(header, call="update_weight_version")])
         errors, done = [], threading.Event()
 
         def send():
