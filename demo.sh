@@ -32,7 +32,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 solo() { OMP_NUM_THREADS=$SOLO_THREADS "$@"; }
 
 if [ "$SHORT" = 1 ]; then
-    SFT_ARGS=(--max_steps 4) DPO_ARGS=(--max_steps 3) RL_ARGS=(--num_training_steps 2 --eval_every 0)
+    SFT_ARGS=(--max_steps 4) DPO_ARGS=(--max_steps 3)
+    RL_ARGS=(--num_training_steps 2 --eval_every 0 --num_unique_prompts_per_step 4 --num_samples_per_prompt 4)
     DATA_ARGS=(--num_sft 256 --num_preference 128 --num_rlvr 256 --num_eval 32)
 else
     # SFT four epochs, DPO three, RL 40 steps at a constant lr (Olmo 3's schedule): docs/demo.md says why
