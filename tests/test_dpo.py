@@ -312,7 +312,7 @@ def test_dpo_raises_heldout_preference_accuracy_and_keeps_task_accuracy(first_dp
     assert end["eval/accuracy"] > 0.5                                   # held-out pairs ranked right by the reward
     assert end["eval/policy_accuracy"] > start["eval/policy_accuracy"]  # and by the policy's own likelihood
     assert end["eval/loss"] < start["eval/loss"]
-    assert end["train/rewards/chosen"] > end["train/rewards/rejected"] and end["train/accuracy"] > 0.5
+    assert end["eval/rewards/margin"] > 0 and end["train/rewards/chosen"] > end["train/rewards/rejected"]
     for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margin",
                 "train/accuracy", "perf/tokens_per_s", "perf/mfu", "train/lr", "train/grad_norm"):
         assert math.isfinite(end[key]), key
