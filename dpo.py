@@ -79,6 +79,7 @@ runs share it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -223,9 +224,9 @@ UNSUPPORTED_FLAGS: dict = {
 RESUME_IGNORED_ARGS = ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to", "reference_cache_dir")
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers: the loss, batching, schedule, FLOPs, reference cache, checkpoints
-# ---------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# ALGORITHM: the losses, batches of pairs, sequence logprobs, the reference cache's key
+# -------------------------------------------------------------------------------------------------
 # ALGORITHM: the preference losses. Inputs are per-sequence logprobs (N,), already reduced by the
 # caller (sum for dpo / ipo, mean over trained tokens for dpo_norm / simpo: AVERAGE_LOGPS).
 def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
@@ -286,6 +287,62 @@ def sequence_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tens
     token_logps, _ = target_logprobs(model, batch["input_ids"].to(device), None, targets)
     return (token_logps * mask).sum(-1), mask.sum(-1)
 
+
+
+def model_fingerprint(name_or_path: str) -> dict:
+    """sha256 of the files that decide a model's logprobs (config and weights), by file name.
+
+    Contents, not timestamps: a copied model still hits, a retrained one in the same path misses.
+    Hashing reads every weight file once (about 10 s for a 7B model in bf16).
+    """
+    path = name_or_path
+    if not os.path.isdir(path):  # a hub id: its local snapshot (nothing is downloaded here)
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(name_or_path, local_files_only=True)
+    files = {}
+    for name in sorted(os.listdir(path)):
+        if name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            with open(os.path.join(path, name), "rb") as f:
+                files[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    if not any(n != "config.json" for n in files):
+        raise ValueError(f"no weight files found in {path}")
+    return {"name_or_path": name_or_path, "files": files}
+
+
+def pairs_fingerprint(pairs: list[dict]) -> str:
+    """sha256 of the tokenized pairs in order (ids and labels): the cache is indexed by position."""
+    h = hashlib.sha256()
+    for pair in pairs:
+        for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+            h.update(json.dumps(pair[key], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def reference_cache_key(model_key: dict, pairs: list[dict], template: str | None, average_logps: bool,
+                        bf16: bool) -> tuple[str, dict]:
+    """The cache file name and what it hashes: everything that changes a reference logprob.
+
+    Model files, the tokenized pairs (which already reflect template, max length and truncation),
+    the template text itself, sum vs mean reduction, and the compute precision (bf16 logprobs
+    differ from fp32 ones). LoRA is not in it: with the adapter off the reference is the base model.
+    """
+    material = {"model": model_key, "data": pairs_fingerprint(pairs), "num_pairs": len(pairs),
+                "template": hashlib.sha256(str(template).encode()).hexdigest(),
+                "reduction": "mean" if average_logps else "sum", "precision": "bf16" if bf16 else "fp32"}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24], material
+
+
+def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -> list[tuple[list[int], int]]:
+    """This rank's batches of a pass over `num_items` (reference pass, eval): (indices, how many are real).
+
+    Every rank gets the same number of batches (FSDP's collectives need every rank to run every
+    forward), so the last global chunk is padded with repeated indices whose results are ignored.
+    """
+    out, chunk = [], batch_size * world_size
+    for start in range(0, num_items, chunk):
+        real = list(range(start + rank * batch_size, min(start + (rank + 1) * batch_size, num_items)))
+        out.append(((real + [0] * batch_size)[:batch_size] if real else [0] * batch_size, len(real)))
+    return out
 
 # -------------------------------------------------------------------------------------------------
 # PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
@@ -454,6 +511,10 @@ def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
     return f"memory plan: {line}"
 
 
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same in sft.py and dpo.py; GPU_PEAKS and measure_peaks also in grpo.py): the lr
+# schedule, training FLOPs and the devices' peak FLOP/s (for MFU)
+# -------------------------------------------------------------------------------------------------
 def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
     """Learning-rate multiplier: linear warmup to 1, then linear or cosine decay towards 0.
 
@@ -524,62 +585,9 @@ def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
                               f"and a 256 MiB copy, best of {reps}")
 
 
-def model_fingerprint(name_or_path: str) -> dict:
-    """sha256 of the files that decide a model's logprobs (config and weights), by file name.
-
-    Contents, not timestamps: a copied model still hits, a retrained one in the same path misses.
-    Hashing reads every weight file once (about 10 s for a 7B model in bf16).
-    """
-    path = name_or_path
-    if not os.path.isdir(path):  # a hub id: its local snapshot (nothing is downloaded here)
-        from huggingface_hub import snapshot_download
-        path = snapshot_download(name_or_path, local_files_only=True)
-    files = {}
-    for name in sorted(os.listdir(path)):
-        if name == "config.json" or name.endswith((".safetensors", ".bin", ".pt", ".pth")):
-            with open(os.path.join(path, name), "rb") as f:
-                files[name] = hashlib.file_digest(f, "sha256").hexdigest()
-    if not any(n != "config.json" for n in files):
-        raise ValueError(f"no weight files found in {path}")
-    return {"name_or_path": name_or_path, "files": files}
-
-
-def pairs_fingerprint(pairs: list[dict]) -> str:
-    """sha256 of the tokenized pairs in order (ids and labels): the cache is indexed by position."""
-    h = hashlib.sha256()
-    for pair in pairs:
-        for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
-            h.update(json.dumps(pair[key], separators=(",", ":")).encode())
-    return h.hexdigest()
-
-
-def reference_cache_key(model_key: dict, pairs: list[dict], template: str | None, average_logps: bool,
-                        bf16: bool) -> tuple[str, dict]:
-    """The cache file name and what it hashes: everything that changes a reference logprob.
-
-    Model files, the tokenized pairs (which already reflect template, max length and truncation),
-    the template text itself, sum vs mean reduction, and the compute precision (bf16 logprobs
-    differ from fp32 ones). LoRA is not in it: with the adapter off the reference is the base model.
-    """
-    material = {"model": model_key, "data": pairs_fingerprint(pairs), "num_pairs": len(pairs),
-                "template": hashlib.sha256(str(template).encode()).hexdigest(),
-                "reduction": "mean" if average_logps else "sum", "precision": "bf16" if bf16 else "fp32"}
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24], material
-
-
-def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -> list[tuple[list[int], int]]:
-    """This rank's batches of a pass over `num_items` (reference pass, eval): (indices, how many are real).
-
-    Every rank gets the same number of batches (FSDP's collectives need every rank to run every
-    forward), so the last global chunk is padded with repeated indices whose results are ignored.
-    """
-    out, chunk = [], batch_size * world_size
-    for start in range(0, num_items, chunk):
-        real = list(range(start + rank * batch_size, min(start + (rank + 1) * batch_size, num_items)))
-        out.append(((real + [0] * batch_size)[:batch_size] if real else [0] * batch_size, len(real)))
-    return out
-
-
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same functions in sft.py, dpo.py and grpo.py): output_dir, checkpoints
+# -------------------------------------------------------------------------------------------------
 def latest_checkpoint(output_dir: str) -> str | None:
     """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs
     never count."""
@@ -666,120 +674,112 @@ def prune_checkpoints(root: str, keep: int, protect: str | None = None) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------
-def main():
-    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
-    if not args.model_name_or_path or not args.dataset_mixer_list:
-        raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
-    if not args.cache_reference_only:  # that writes only the reference cache, nothing into output_dir
-        check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
-    if args.loss_type not in DEFAULT_BETA:
-        raise SystemExit(f"unknown --loss_type {args.loss_type!r} (dpo | dpo_norm | simpo | ipo)")
-    if args.beta is None:
-        args.beta = DEFAULT_BETA[args.loss_type]
-    average_logps, use_reference = AVERAGE_LOGPS[args.loss_type], args.loss_type != "simpo"
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same functions in sft.py and dpo.py, in this order): distributed setup, tokenizer,
+# the run's batches, the model, optimizer, resume, checkpoints, logging, the final save
+# -------------------------------------------------------------------------------------------------
+@dataclass
+class World:
+    """This process's place in the torchrun job (world size 1: a plain `python` run of the same code)."""
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
 
-    # ---- setup (plumbing: the same block in every stage script) ---------------------------
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+
+def setup_world(seed: int) -> World:
+    """Ranks from torchrun's environment, this rank's device, the process group, and the seeds."""
+    rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1:
+    if size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    is_main = rank == 0
-    torch.manual_seed(args.seed)  # same on every rank until the model is built (LoRA init must agree)
-    random.seed(args.seed + rank)
+    torch.manual_seed(seed)  # same on every rank until the model is built (LoRA init must agree)
+    random.seed(seed + rank)
+    return World(rank, size, local_rank, device)
 
-    def barrier():
-        if world_size > 1:
-            dist.barrier()
 
-    def all_reduce_sum(values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        if world_size > 1:
-            dist.all_reduce(t)
-        return t.tolist()
-
-    # ---- data -------------------------------------------------------------------------------
+def load_tokenizer(args) -> tuple:
+    """The tokenizer with the chat template to train with (saved with the model, so inference renders the same
+    way), and the padding id."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if args.chat_template:  # train with it and save it with the model, so inference renders the same way
+    if args.chat_template:
         tokenizer.chat_template = chat_template.get_template(args.chat_template)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if not is_main:
-        barrier()  # rank 0 fills the datasets cache first
+    return tokenizer, pad_id
 
-    def load_pairs(mixer_list: list[str], splits: list[str]):
-        dataset = chat_template.load_mixture(mixer_list, split=splits, seed=args.seed)
-        return chat_template.tokenize_preference(dataset, tokenizer, args.max_seq_length,
-                                                 over_length_strategy=args.over_length_strategy,
-                                                 chat_template=args.chat_template)
-    dataset, drops = load_pairs(args.dataset_mixer_list, args.dataset_mixer_list_splits)
-    eval_dataset, eval_drops = None, {}
-    if args.eval_dataset_mixer_list:
-        eval_dataset, eval_drops = load_pairs(args.eval_dataset_mixer_list, args.eval_dataset_mixer_list_splits)
-    elif args.eval_split_fraction > 0:
-        split = dataset.train_test_split(test_size=args.eval_split_fraction, seed=args.seed)
-        dataset, eval_dataset = split["train"], split["test"]
-    if is_main:
-        barrier()
-    keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
-    pairs = [{k: r[k] for k in keys} for r in dataset]
-    eval_pairs = [{k: r[k] for k in keys} for r in eval_dataset] if eval_dataset is not None else []
-    if not pairs:
-        raise SystemExit(f"no trainable pairs left (dropped: {dict(drops)})")
 
-    # The whole run's batches are a pure function of (seed, epoch): epoch e shuffles with seed + e.
-    # Batch s of the run is the data position a checkpoint stores, so a resume sees the same pairs.
-    micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_pairs = micro_bs * accum * world_size
+def plan_batches(args, num_items: int, global_batch: int, rows_of, unit: str) -> tuple[list, int, int, int]:
+    """The whole run's global batches [(epoch, rows)], the epochs they span, the total and warmup steps.
+
+    A pure function of (seed, epoch): epoch e shuffles the items with seed + e, and `rows_of` turns that order
+    into rows. Batch s of the run is the data position a checkpoint stores, so a resume sees the same rows.
+    """
     batches, epoch = [], 0
     while True:
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-        if len(order) < global_pairs:
-            raise SystemExit(f"{len(order)} pairs cannot fill one global batch of {global_pairs} pairs")
-        batches += [(epoch, order[i:i + global_pairs]) for i in range(0, len(order) - global_pairs + 1, global_pairs)]
+        order = torch.randperm(num_items, generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        rows = rows_of(order)
+        if len(rows) < global_batch:
+            raise SystemExit(f"{len(rows)} {unit} cannot fill one global batch of {global_batch} {unit}")
+        batches += [(epoch, rows[i:i + global_batch]) for i in range(0, len(rows) - global_batch + 1, global_batch)]
         epoch += 1
         if ((args.max_steps > 0 and len(batches) >= args.max_steps)
             or (args.max_steps <= 0 and epoch >= args.num_train_epochs)):
             break
     total_steps = args.max_steps if args.max_steps > 0 else len(batches)
-    batches = batches[:total_steps]
-    warmup_steps = math.ceil(args.warmup_ratio * total_steps)
+    return batches[:total_steps], epoch, total_steps, math.ceil(args.warmup_ratio * total_steps)
 
-    # ---- model --------------------------------------------------------------------------------
-    resume_from = resume_checkpoint(args.output_dir, args.resume, is_main)
-    # Always the initial weights here: the reference pass below needs them; resumed full weights are
-    # loaded after it.
-    weights_from = args.model_name_or_path
-    rows_per_forward = 2 * args.per_device_train_batch_size  # chosen and rejected in one forward
+
+def plan_memory(args, shards: int, rows_per_forward: int, bf16: bool, flash: bool) -> dict:
+    """`memory_plan` of this run's model and arguments, its weights sharded over `shards` ranks."""
+    return memory_plan(AutoConfig.from_pretrained(args.model_name_or_path), args.max_seq_length, rows_per_forward,
+                       shards, bf16, args.gradient_checkpointing, args.logprob_chunk_size,
+                       trained=not args.use_lora, flash_attention=flash)
+
+
+def build_model(args, world: World, weights_from: str, resume_from: str | None, rows_per_forward: int) -> tuple:
+    """The memory plan (printed; the run stops here if it cannot fit), then the model: fp32 weights, the chunked
+    LM head, LoRA, FSDP2 or DDP. Returns (model, the module to train through, autocast, bf16, the FLOPs shape)."""
     # Weights stay fp32 (master weights, fp32 optimizer state); with --bf16 (default on GPU) compute runs
     # in bf16 through autocast (one rank, DDP) or FSDP2's mixed-precision policy (fp32 gradient reduction).
-    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
+    bf16 = args.bf16 if args.bf16 is not None else world.device.type == "cuda"
     # Flash attention separates packed rows (restarting position ids) only at batch size 1; sdpa honours
     # the block-diagonal mask that transformers derives from them at any batch size.
-    flash = device.type == "cuda" and args.per_device_train_batch_size == 1 and \
+    flash = world.device.type == "cuda" and args.per_device_train_batch_size == 1 and \
         importlib.util.find_spec("flash_attn") is not None
-    available = device_memory_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-    def plan_for(shards: int) -> dict:
-        return memory_plan(AutoConfig.from_pretrained(args.model_name_or_path), args.max_seq_length, rows_per_forward,
-                           shards, bf16, args.gradient_checkpointing, args.logprob_chunk_size,
-                           trained=not args.use_lora, flash_attention=flash)
-    if device.type == "cuda" and world_size > 1 and not args.use_fsdp and plan_for(1)["total"] > available:
+    available = device_memory_bytes(world.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if (world.device.type == "cuda" and world.size > 1 and not args.use_fsdp
+            and plan_memory(args, 1, rows_per_forward, bf16, flash)["total"] > available):
         args.use_fsdp = True  # it would not fit one GPU: shard it
-    plan_line = check_memory_plan(plan_for(world_size if args.use_fsdp else 1), available,
+    plan = plan_memory(args, world.size if args.use_fsdp else 1, rows_per_forward, bf16, flash)
+    plan_line = check_memory_plan(plan, available,
                                   "--gradient_checkpointing, --use_fsdp or more GPUs, a smaller --max_seq_length or "
                                   "--per_device_train_batch_size, --use_lora, a smaller --logprob_chunk_size")
-    if is_main:
+    if world.is_main:
         print(plan_line, flush=True)
     model = AutoModelForCausalLM.from_pretrained(weights_from, dtype=torch.float32,
                                                  attn_implementation="flash_attention_2" if flash else "sdpa")
     model.config.use_cache = False
-    config = model.config
     non_embedding_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    shape = (non_embedding_params, model.config.num_hidden_layers, model.config.hidden_size)  # for train_flops
     install_chunked_head(model, args.logprob_chunk_size)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -791,13 +791,13 @@ def main():
             targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
             model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
-    torch.manual_seed(args.seed + rank)  # from here on each rank has its own RNG stream
+    torch.manual_seed(args.seed + world.rank)  # from here on each rank has its own RNG stream
     if not args.use_fsdp:
-        model.to(device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
+        model.to(world.device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
     if args.use_fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh = init_device_mesh(device.type, (world_size,))
+        mesh = init_device_mesh(world.device.type, (world.size,))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
         base = model.get_base_model() if args.use_lora else model
@@ -807,197 +807,94 @@ def main():
                 fully_shard(module, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         train_model = model
-    elif world_size > 1:
+    elif world.size > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None)
+            model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
     else:
         train_model = model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+    return model, train_model, autocast, bf16, shape
 
-    def pair_logps(batch: dict, net=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) logps reduced for the loss, each (B,), and their per-token means (eval, RPO)."""
-        with autocast:
-            sums, counts = sequence_logps(model if net is None else net, batch, device)
-        counts = counts.clamp(min=1)
-        logps = sums / counts if average_logps else sums
-        means = sums / counts
-        b = len(batch["index"])
-        return logps[:b], logps[b:], means[:b], means[b:]
 
-    # ---- reference logprobs: computed once with the initial policy, cached on disk -------------
-    # ALGORITHM: the reference is the model training starts from (for LoRA: the adapter switched
-    # off). Its logprobs depend only on model, data, template, reduction and precision, so they are
-    # computed once, stored under a hash of those, and no reference model is kept for training.
-    cache_dir = args.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(args.output_dir)),
-                                                         "reference_cache")
-    reference_log = {"reference/cache_hit": 1, "reference/computed_pairs": 0, "time/reference_s": 0.0}
-    t_ref = time.perf_counter()
-    model_key = None
-    if use_reference:
-        key_obj = [model_fingerprint(args.model_name_or_path) if is_main else None]
-        if world_size > 1:
-            dist.broadcast_object_list(key_obj, src=0)  # rank 0 reads the weight files, the others wait
-        model_key = key_obj[0]
-
-    def reference_logps(split_pairs: list[dict], split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) reference logps of every pair (N,) on `device`, from the cache or computed."""
-        key, material = reference_cache_key(model_key, split_pairs, tokenizer.chat_template, average_logps, bf16)
-        path = os.path.join(cache_dir, f"{key}.pt")
-        hit = torch.tensor([int(os.path.isfile(path)) if is_main else 0], device=device)
-        if world_size > 1:
-            dist.broadcast(hit, src=0)  # rank 0 decides, so nodes without a shared filesystem agree
-        if hit.item():
-            cached = torch.load(path, weights_only=True) if is_main else None
-            ref = cached["logps"].to(device) if is_main else torch.empty(2, len(split_pairs), device=device)
-            if world_size > 1:
-                dist.broadcast(ref, src=0)
-            if is_main:
-                print(f"reference logprobs: cache hit {path} ({split}, {len(split_pairs)} pairs)")
-            return ref[0], ref[1]
-        if is_main:
-            print(f"reference logprobs: cache miss, computing {split} ({len(split_pairs)} pairs) -> {path}")
-        # Each rank scores its shard; -inf marks "not mine", a max all-reduce assembles the full table.
-        ref = torch.full((2, len(split_pairs)), float("-inf"), device=device)
-        adapter_off = model.disable_adapter() if args.use_lora else contextlib.nullcontext()
-        model.eval()
-        with torch.no_grad(), adapter_off:
-            for indices, real in tqdm(shard_batches(len(split_pairs), micro_bs, rank, world_size), disable=not is_main,
-                                      desc=f"reference {split}", dynamic_ncols=True):
-                chosen, rejected, _, _ = pair_logps(collate_pairs(indices, split_pairs, pad_id))
-                ref[0, indices[:real]], ref[1, indices[:real]] = chosen[:real].float(), rejected[:real].float()
-        model.train()
-        if world_size > 1:
-            dist.all_reduce(ref, op=dist.ReduceOp.MAX)
-        if not torch.isfinite(ref).all():
-            raise RuntimeError(f"reference pass left {int((~torch.isfinite(ref)).sum())} logprobs unset")
-        if is_main:  # atomic: a crash never leaves a half-written cache file under the final name
-            os.makedirs(cache_dir, exist_ok=True)
-            torch.save({"logps": ref.cpu(), "material": material}, path + ".tmp")
-            with open(path + ".tmp", "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
-            with open(os.path.join(cache_dir, f"{key}.json"), "w") as f:
-                json.dump({**material, "split": split, "args": asdict(args)}, f, indent=1)
-            print(f"reference logprobs: saved {path}")
-        reference_log["reference/cache_hit"] = 0
-        reference_log["reference/computed_pairs"] += len(split_pairs)
-        return ref[0], ref[1]
-
-    ref_train = reference_logps(pairs, "train") if use_reference else None
-    ref_eval = reference_logps(eval_pairs, "eval") if use_reference and eval_pairs else None
-    reference_log["time/reference_s"] = time.perf_counter() - t_ref
-    if args.cache_reference_only:
-        if is_main:
-            print(json.dumps(reference_log))
-        barrier()
-        if world_size > 1:
-            dist.destroy_process_group()
-        return
-
-    if resume_from and not args.use_lora:  # the trained weights, now that the reference pass has used the initial ones
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        weights = (AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if is_main
-                   else {})
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
-                                                                     broadcast_from_rank0=world_size > 1))
-        del weights
-
+def make_optimizer(args, model) -> tuple[list, torch.optim.Optimizer]:
+    """AdamW over the trained parameters; weight decay on matrices only, never on norms (or biases)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for n, p in trainable if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
+    return trainable, torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
 
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    start_step = 0
-    if resume_from:
-        state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
-        start_step = state["step"]
-        changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
-                   if k not in RESUME_IGNORED_ARGS and getattr(args, k, v) != v}
-        if changed and is_main:  # a different run would not continue "exactly"; say so loudly
-            print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
-        rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
-        if os.path.isfile(rng_file):
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            if device.type == "cuda" and rng.get("cuda") is not None:
-                torch.cuda.set_rng_state(rng["cuda"])
 
-    def save_hf(path: str, state_dict: dict) -> None:
-        """Rank 0: weights (or the LoRA adapter), config, tokenizer and its chat template (plumbing)."""
-        model.save_pretrained(path, state_dict=state_dict)
-        tokenizer.save_pretrained(path)
+def restore_training_state(args, world: World, model, optimizer, resume_from: str | None) -> int:
+    """From a checkpoint (the weights are already loaded): the optimizer, this rank's RNG; returns its step."""
+    if not resume_from:
+        return 0
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
+               if k not in RESUME_IGNORED_ARGS and getattr(args, k, v) != v}
+    if changed and world.is_main:  # a different run would not continue "exactly"; say so loudly
+        print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
+    rng_file = os.path.join(resume_from, f"rng_rank{world.rank}.pt")
+    if os.path.isfile(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if world.device.type == "cuda" and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state["step"]
 
-    def save_checkpoint(step: int) -> None:
-        """Atomic: write everything into a temp dir, fsync, rename, then move `latest`; old ones go last."""
-        model_sd = get_model_state_dict(model, options=full)  # collective: every rank calls it
-        optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
-        root = os.path.join(args.output_dir, "checkpoints")
-        name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_hf(tmp, model_sd)
-            torch.save({"optimizer": optim_sd, "step": step, "args": asdict(args), "world_size": world_size,
-                        "scheduler": {"step": step, "total_steps": total_steps, "warmup_steps": warmup_steps}},
-                       os.path.join(tmp, "training_state.pt"))
-        barrier()
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None},
-                   os.path.join(tmp, f"rng_rank{rank}.pt"))
-        barrier()
-        if is_main:
-            publish_checkpoint(root, tmp, name)
-            prune_checkpoints(root, args.keep_last_n_checkpoints, protect=resume_from)  # the new one is complete
-        barrier()
 
-    def evaluate() -> dict:
-        """Held-out pairs: loss, reward accuracy (what DPO optimises) and policy accuracy.
+def full_state_dict(model) -> dict:
+    """The whole model's weights (or LoRA adapter) on CPU, gathered from every rank: a collective, every rank
+    calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-        `eval/accuracy`: chosen reward > rejected reward. With a reference it starts at 0 (the
-        policy is the reference, every margin is 0) and measures how often training moved the
-        pair the right way. `eval/policy_accuracy`: the policy itself gives the chosen answer the
-        higher mean per-token logprob; meaningful before training too.
-        """
-        sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, accuracy, margin, policy accuracy, pairs
-        model.eval()
-        with torch.no_grad():
-            for indices, real in shard_batches(len(eval_pairs), micro_bs, rank, world_size):
-                batch = collate_pairs(indices, eval_pairs, pad_id)
-                chosen, rejected, chosen_mean, rejected_mean = pair_logps(batch)
-                idx = batch["index"].to(device)
-                losses, chosen_r, rejected_r = dpo_loss(
-                    chosen.float(), rejected.float(), ref_eval[0][idx] if use_reference else None,
-                    ref_eval[1][idx] if use_reference else None, args.beta, args.loss_type,
-                    args.label_smoothing, args.gamma_beta_ratio)
-                for i, value in enumerate([losses, (chosen_r > rejected_r).float(), chosen_r - rejected_r,
-                                           (chosen_mean > rejected_mean).float(), torch.ones_like(losses)]):
-                    sums[i] += value[:real].double().sum()
-        model.train()
-        if world_size > 1:
-            dist.all_reduce(sums)
-        n = max(sums[4].item(), 1)
-        return {"eval/loss": sums[0].item() / n, "eval/accuracy": sums[1].item() / n,
-                "eval/rewards/margin": sums[2].item() / n, "eval/policy_accuracy": sums[3].item() / n}
 
-    # ---- logging (plumbing) ---------------------------------------------------------------
-    peak, _, peak_source = measure_peaks(device)
-    peak_total = all_reduce_sum([peak])[0]
-    derived = {"world_size": world_size, "global_batch_pairs": global_pairs, "total_steps": total_steps,
-               "warmup_steps": warmup_steps, "epochs": epoch, "pairs": len(pairs), "eval_pairs": len(eval_pairs),
-               "dropped": dict(drops), "eval_dropped": dict(eval_drops), "beta": args.beta,
-               "logps_reduction": "mean" if average_logps else "sum", "reference_cache_dir": cache_dir,
-               "trained_params": sum(p.numel() for _, p in trainable),
-               "non_embedding_params": non_embedding_params, "fsdp": args.use_fsdp, "bf16": bf16,
-               "peak_flops_per_device": peak, "peak_flops_source": peak_source, "resume_from": resume_from}
-    wandb_run = None
-    if is_main:
+def save_hf(model, tokenizer, path: str, state_dict: dict) -> None:
+    """Rank 0: weights (or the LoRA adapter), config, tokenizer and its chat template."""
+    model.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+
+
+def save_checkpoint(args, world: World, model, tokenizer, optimizer, step: int, total_steps: int, warmup_steps: int,
+                    resume_from: str | None) -> None:
+    """Atomic: write everything into a temp dir, fsync, rename, then move `latest`; old ones go last."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    model_sd = full_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    root = os.path.join(args.output_dir, "checkpoints")
+    name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf(model, tokenizer, tmp, model_sd)
+        torch.save({"optimizer": optim_sd, "step": step, "args": asdict(args), "world_size": world.size,
+                    "scheduler": {"step": step, "total_steps": total_steps, "warmup_steps": warmup_steps}},
+                   os.path.join(tmp, "training_state.pt"))
+    world.barrier()
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state() if world.device.type == "cuda" else None},
+               os.path.join(tmp, f"rng_rank{world.rank}.pt"))
+    world.barrier()
+    if world.is_main:
+        publish_checkpoint(root, tmp, name)
+        prune_checkpoints(root, args.keep_last_n_checkpoints, protect=resume_from)  # the new one is complete
+    world.barrier()
+
+
+class RunLog:
+    """Rank 0: run_config.json (every argument and what was derived from them), wandb, and `log`: one JSON line
+    per call in metrics.jsonl (appended to on resume), one wandb row and (echo) one line on stdout."""
+
+    def __init__(self, args, world: World, derived: dict, resume_from: str | None):
+        self.file, self.wandb_run = None, None
+        if not world.is_main:
+            return
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "run_config.json"), "w") as f:  # every argument, for the record
+        with open(os.path.join(args.output_dir, "run_config.json"), "w") as f:
             json.dump({"args": asdict(args), "derived": derived}, f, indent=1, default=str)
         print("run: " + " ".join(f"{k}={v}" for k, v in derived.items()) + f" (all arguments: {f.name})", flush=True)
         if args.report_to == "wandb":
@@ -1005,74 +902,343 @@ def main():
             # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
             mode = (None if os.environ.get("WANDB_MODE")
                     else "online" if wandb.login(prompt=False, verify=False) else "offline")
-            wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
-                                   dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
-    metrics_file = (open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main
-                    else None)
+            self.wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                                        dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
+        self.file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w")
 
-    def log(metrics: dict, echo: bool = True) -> None:
-        """One JSON line in metrics.jsonl, one wandb row and (echo) one line on stdout (rank 0 only)."""
-        if is_main:
-            if echo:
-                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=metrics["step"])
+    def log(self, metrics: dict, echo: bool = True) -> None:
+        if self.file is None:
+            return
+        if echo:
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=metrics["step"])
 
-    log({"step": start_step, **reference_log, **(evaluate() if eval_pairs else {})})
-    progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="dpo", dynamic_ncols=True)
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
-    # ---- loop ---------------------------------------------------------------------------------
+
+def set_lr(args, optimizer, step: int, total_steps: int, warmup_steps: int) -> float:
+    """The schedule's learning rate for `step`, set in every parameter group."""
+    lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def micro_batches(rows: list, world: World, micro_bs: int, accum: int) -> list[list]:
+    """This rank's `accum` micro-batches of one global batch: micro-batch k of rank r is slice k x ranks + r."""
+    return [rows[(k * world.size + world.rank) * micro_bs:(k * world.size + world.rank + 1) * micro_bs]
+            for k in range(accum)]
+
+
+def sync_gradients(args, world: World, train_model, last: bool) -> None:
+    """Gradients are all-reduced on the last micro-batch of a step only (accumulation needs no communication)."""
+    if args.use_fsdp:
+        train_model.set_requires_gradient_sync(last)
+    elif world.size > 1:
+        train_model.require_backward_grad_sync = last  # what DDP's no_sync() context toggles
+
+
+def clip_and_step(args, trainable: list, optimizer) -> float:
+    """Clip the global gradient norm (<= 0: no clipping), step, zero the gradients; returns the norm before
+    clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable],
+                                               args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def save_final_model(args, world: World, model, tokenizer) -> None:
+    """The trained model (or LoRA adapter) as a Hugging Face directory in output_dir; with --merge_lora also
+    base + adapter merged, in output_dir/merged."""
+    model_sd = full_state_dict(model)
+    if not world.is_main:
+        return
+    save_hf(model, tokenizer, args.output_dir, model_sd)
+    if args.use_lora and args.merge_lora:
+        from peft import PeftModel
+        base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+        merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
+    print(f"saved {'LoRA adapter' if args.use_lora else 'model'} to {args.output_dir}")
+
+
+def finish(world: World, run_log) -> None:
+    """Close the logs, wait for every rank, leave the process group."""
+    if run_log is not None:
+        run_log.close()
+    world.barrier()
+    if world.size > 1:
+        dist.destroy_process_group()
+
+
+# -------------------------------------------------------------------------------------------------
+# ALGORITHM: this stage's data, the reference logprobs, eval and its training step
+# -------------------------------------------------------------------------------------------------
+def tokenize_pairs(args, tokenizer, mixer_list: list[str], splits: list[str]) -> tuple:
+    dataset = chat_template.load_mixture(mixer_list, split=splits, seed=args.seed)
+    return chat_template.tokenize_preference(dataset, tokenizer, args.max_seq_length,
+                                             over_length_strategy=args.over_length_strategy,
+                                             chat_template=args.chat_template)
+
+
+def load_data(args, tokenizer, world: World) -> tuple[list[dict], list[dict], dict, dict]:
+    """Training and held-out pairs tokenized for DPO (ids and labels of each side), and the drops by reason."""
+    if not world.is_main:
+        world.barrier()  # rank 0 fills the datasets cache first
+    dataset, drops = tokenize_pairs(args, tokenizer, args.dataset_mixer_list, args.dataset_mixer_list_splits)
+    eval_dataset, eval_drops = None, {}
+    if args.eval_dataset_mixer_list:
+        eval_dataset, eval_drops = tokenize_pairs(args, tokenizer, args.eval_dataset_mixer_list,
+                                                  args.eval_dataset_mixer_list_splits)
+    elif args.eval_split_fraction > 0:
+        split = dataset.train_test_split(test_size=args.eval_split_fraction, seed=args.seed)
+        dataset, eval_dataset = split["train"], split["test"]
+    if world.is_main:
+        world.barrier()
+    keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    pairs = [{k: r[k] for k in keys} for r in dataset]
+    eval_pairs = [{k: r[k] for k in keys} for r in eval_dataset] if eval_dataset is not None else []
+    if not pairs:
+        raise SystemExit(f"no trainable pairs left (dropped: {dict(drops)})")
+    return pairs, eval_pairs, drops, eval_drops
+
+
+def pair_logps(net, batch: dict, autocast, average_logps: bool, device) -> tuple:
+    """(chosen, rejected) logps reduced for the loss, each (B,), and their per-token means (eval, RPO)."""
+    with autocast:
+        sums, counts = sequence_logps(net, batch, device)
+    counts = counts.clamp(min=1)
+    logps = sums / counts if average_logps else sums
+    means = sums / counts
+    b = len(batch["index"])
+    return logps[:b], logps[b:], means[:b], means[b:]
+
+
+def preference_loss(args, chosen: torch.Tensor, rejected: torch.Tensor, ref: tuple | None, idx: torch.Tensor) -> tuple:
+    """`dpo_loss` of these pairs against rows `idx` of the reference table `ref` (None: simpo, no reference)."""
+    return dpo_loss(chosen.float(), rejected.float(), ref[0][idx] if ref is not None else None,
+                    ref[1][idx] if ref is not None else None, args.beta, args.loss_type, args.label_smoothing,
+                    args.gamma_beta_ratio)
+
+
+# ALGORITHM: the reference is the model training starts from (for LoRA: the adapter switched off).
+# Its logprobs depend only on model, data, template, reduction and precision, so they are computed
+# once, stored under a hash of those, and no reference model is kept for training.
+def reference_tables(args, world: World, model, score, tokenizer, pad_id: int, splits: dict, average_logps: bool,
+                     bf16: bool) -> tuple[dict, dict, str]:
+    """split name -> its (chosen, rejected) reference logps (N,) each, from the cache or computed; the log
+    numbers (cache hit, pairs computed, seconds) and the cache directory."""
+    cache_dir = args.reference_cache_dir or os.path.join(os.path.dirname(os.path.abspath(args.output_dir)),
+                                                         "reference_cache")
+    reference_log = {"reference/cache_hit": 1, "reference/computed_pairs": 0, "time/reference_s": 0.0}
+    t_ref = time.perf_counter()
+    key_obj = [model_fingerprint(args.model_name_or_path) if splits and world.is_main else None]
+    if splits and world.size > 1:
+        dist.broadcast_object_list(key_obj, src=0)  # rank 0 reads the weight files, the others wait
+    tables = {}
+    for split, split_pairs in splits.items():
+        key, material = reference_cache_key(key_obj[0], split_pairs, tokenizer.chat_template, average_logps, bf16)
+        path = os.path.join(cache_dir, f"{key}.pt")
+        hit = torch.tensor([int(os.path.isfile(path)) if world.is_main else 0], device=world.device)
+        if world.size > 1:
+            dist.broadcast(hit, src=0)  # rank 0 decides, so nodes without a shared filesystem agree
+        if hit.item():
+            cached = torch.load(path, weights_only=True) if world.is_main else None
+            ref = cached["logps"].to(world.device) if world.is_main else torch.empty(2, len(split_pairs),
+                                                                                      device=world.device)
+            if world.size > 1:
+                dist.broadcast(ref, src=0)
+            if world.is_main:
+                print(f"reference logprobs: cache hit {path} ({split}, {len(split_pairs)} pairs)")
+        else:
+            if world.is_main:
+                print(f"reference logprobs: cache miss, computing {split} ({len(split_pairs)} pairs) -> {path}")
+            ref = compute_reference_logps(args, world, model, score, pad_id, split_pairs, split)
+            if world.is_main:
+                save_reference_logps(args, cache_dir, key, material, split, ref)
+            reference_log["reference/cache_hit"] = 0
+            reference_log["reference/computed_pairs"] += len(split_pairs)
+        tables[split] = (ref[0], ref[1])
+    reference_log["time/reference_s"] = time.perf_counter() - t_ref
+    return tables, reference_log, cache_dir
+
+
+def compute_reference_logps(args, world: World, model, score, pad_id: int, split_pairs: list[dict],
+                            split: str) -> torch.Tensor:
+    """The reference pass: (2, N) logps of the initial policy. Each rank scores its shard; -inf marks "not
+    mine", and a max all-reduce assembles the full table."""
+    ref = torch.full((2, len(split_pairs)), float("-inf"), device=world.device)
+    adapter_off = model.disable_adapter() if args.use_lora else contextlib.nullcontext()
+    model.eval()
+    with torch.no_grad(), adapter_off:
+        for indices, real in tqdm(shard_batches(len(split_pairs), args.per_device_train_batch_size, world.rank,
+                                                world.size), disable=not world.is_main, desc=f"reference {split}",
+                                  dynamic_ncols=True):
+            chosen, rejected, _, _ = score(model, collate_pairs(indices, split_pairs, pad_id))
+            ref[0, indices[:real]], ref[1, indices[:real]] = chosen[:real].float(), rejected[:real].float()
+    model.train()
+    if world.size > 1:
+        dist.all_reduce(ref, op=dist.ReduceOp.MAX)
+    if not torch.isfinite(ref).all():
+        raise RuntimeError(f"reference pass left {int((~torch.isfinite(ref)).sum())} logprobs unset")
+    return ref
+
+
+def save_reference_logps(args, cache_dir: str, key: str, material: dict, split: str, ref: torch.Tensor) -> None:
+    """Rank 0. Atomic: a crash never leaves a half-written cache file under the final name."""
+    path = os.path.join(cache_dir, f"{key}.pt")
+    os.makedirs(cache_dir, exist_ok=True)
+    torch.save({"logps": ref.cpu(), "material": material}, path + ".tmp")
+    with open(path + ".tmp", "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(cache_dir, f"{key}.json"), "w") as f:
+        json.dump({**material, "split": split, "args": asdict(args)}, f, indent=1)
+    print(f"reference logprobs: saved {path}")
+
+
+def load_resumed_weights(model, resume_from: str, world: World) -> None:
+    """The trained full weights of a checkpoint, now that the reference pass has used the initial ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    weights = (AutoModelForCausalLM.from_pretrained(resume_from, dtype=torch.float32).state_dict() if world.is_main
+               else {})
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True,
+                                                                 broadcast_from_rank0=world.size > 1))
+
+
+def evaluate(args, world: World, model, score, eval_pairs: list[dict], ref_eval: tuple | None, pad_id: int) -> dict:
+    """Held-out pairs: loss, reward accuracy (what DPO optimises) and policy accuracy.
+
+    `eval/accuracy`: chosen reward > rejected reward. With a reference it starts at 0 (the
+    policy is the reference, every margin is 0) and measures how often training moved the
+    pair the right way. `eval/policy_accuracy`: the policy itself gives the chosen answer the
+    higher mean per-token logprob; meaningful before training too.
+    """
+    sums = torch.zeros(5, dtype=torch.float64, device=world.device)  # loss, accuracy, margin, policy accuracy, pairs
+    model.eval()
+    with torch.no_grad():
+        for indices, real in shard_batches(len(eval_pairs), args.per_device_train_batch_size, world.rank, world.size):
+            batch = collate_pairs(indices, eval_pairs, pad_id)
+            chosen, rejected, chosen_mean, rejected_mean = score(model, batch)
+            idx = batch["index"].to(world.device)
+            losses, chosen_r, rejected_r = preference_loss(args, chosen, rejected, ref_eval, idx)
+            for i, value in enumerate([losses, (chosen_r > rejected_r).float(), chosen_r - rejected_r,
+                                       (chosen_mean > rejected_mean).float(), torch.ones_like(losses)]):
+                sums[i] += value[:real].double().sum()
+    model.train()
+    if world.size > 1:
+        dist.all_reduce(sums)
+    n = max(sums[4].item(), 1)
+    return {"eval/loss": sums[0].item() / n, "eval/accuracy": sums[1].item() / n,
+            "eval/rewards/margin": sums[2].item() / n, "eval/policy_accuracy": sums[3].item() / n}
+
+
+def train_step(args, world: World, train_model, score, micro: list[dict], ref_train: tuple | None) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one step, accumulating the gradients.
+
+    Returns this rank's sums: loss, rewards chosen / rejected, accuracy, logps chosen / rejected, tokens, NLL.
+    """
+    stats = torch.zeros(8, dtype=torch.float64, device=world.device)
+    for k, mb in enumerate(micro):
+        sync_gradients(args, world, train_model, last=k == len(micro) - 1)
+        chosen, rejected, chosen_mean, _ = score(train_model, mb)
+        idx = mb["index"].to(world.device)
+        # ALGORITHM: every pair weighs the same. Mean over this micro-batch, / accum over the
+        # accumulation steps; DDP / FSDP2 average over ranks: the mean over the global batch.
+        losses, chosen_r, rejected_r = preference_loss(args, chosen, rejected, ref_train, idx)
+        nll = -chosen_mean.float()  # RPO's term: the chosen answer's per-token NLL, per pair
+        ((losses.mean() + args.rpo_alpha * nll.mean()) / len(micro)).backward()
+        stats += torch.stack([losses.detach().sum(), chosen_r.sum(), rejected_r.sum(),
+                              (chosen_r > rejected_r).float().sum(), chosen.detach().sum(), rejected.detach().sum(),
+                              torch.tensor(float(sum(mb["doc_lengths"])), device=world.device),
+                              nll.detach().sum()]).double()
+    return stats
+
+
+# -------------------------------------------------------------------------------------------------
+def main():
+    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
+    if not args.model_name_or_path or not args.dataset_mixer_list:
+        raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
+    if not args.cache_reference_only:  # that writes only the reference cache, nothing into output_dir
+        check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
+    if args.loss_type not in DEFAULT_BETA:
+        raise SystemExit(f"unknown --loss_type {args.loss_type!r} (dpo | dpo_norm | simpo | ipo)")
+    if args.beta is None:
+        args.beta = DEFAULT_BETA[args.loss_type]
+    average_logps, use_reference = AVERAGE_LOGPS[args.loss_type], args.loss_type != "simpo"
+    world = setup_world(args.seed)
+
+    # ---- data: the run's global batches of pairs -----------------------------------------------
+    tokenizer, pad_id = load_tokenizer(args)
+    pairs, eval_pairs, drops, eval_drops = load_data(args, tokenizer, world)
+    micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_pairs = micro_bs * accum * world.size
+    batches, epoch, total_steps, warmup_steps = plan_batches(args, len(pairs), global_pairs, lambda order: order,
+                                                             "pairs")
+
+    # ---- model; the reference logprobs; optimizer, resume --------------------------------------
+    resume_from = resume_checkpoint(args.output_dir, args.resume, world.is_main)
+    # Always the initial weights here: the reference pass below needs them; resumed full weights are
+    # loaded after it.
+    model, train_model, autocast, bf16, shape = build_model(args, world, args.model_name_or_path, resume_from,
+                                                            rows_per_forward=2 * micro_bs)  # chosen and rejected
+    score = functools.partial(pair_logps, autocast=autocast, average_logps=average_logps, device=world.device)
+    splits = {"train": pairs, **({"eval": eval_pairs} if eval_pairs else {})} if use_reference else {}
+    tables, reference_log, cache_dir = reference_tables(args, world, model, score, tokenizer, pad_id, splits,
+                                                        average_logps, bf16)
+    ref_train, ref_eval = tables.get("train"), tables.get("eval")
+    if args.cache_reference_only:
+        if world.is_main:
+            print(json.dumps(reference_log))
+        finish(world, None)
+        return
+    if resume_from and not args.use_lora:
+        load_resumed_weights(model, resume_from, world)
+    trainable, optimizer = make_optimizer(args, model)
+    start_step = restore_training_state(args, world, model, optimizer, resume_from)
+
+    # ---- logging -----------------------------------------------------------------------------------
+    peak, _, peak_source = measure_peaks(world.device)
+    peak_total = world.all_reduce_sum([peak])[0]
+    derived = {"world_size": world.size, "global_batch_pairs": global_pairs, "total_steps": total_steps,
+               "warmup_steps": warmup_steps, "epochs": epoch, "pairs": len(pairs), "eval_pairs": len(eval_pairs),
+               "dropped": dict(drops), "eval_dropped": dict(eval_drops), "beta": args.beta,
+               "logps_reduction": "mean" if average_logps else "sum", "reference_cache_dir": cache_dir,
+               "trained_params": sum(p.numel() for _, p in trainable),
+               "non_embedding_params": shape[0], "fsdp": args.use_fsdp, "bf16": bf16,
+               "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+               "peak_flops_per_device": peak, "peak_flops_source": peak_source, "resume_from": resume_from}
+    run_log = RunLog(args, world, derived, resume_from)
+    run_log.log({"step": start_step, **reference_log,
+                 **(evaluate(args, world, model, score, eval_pairs, ref_eval, pad_id) if eval_pairs else {})})
+    progress = tqdm(total=total_steps, initial=start_step, disable=not world.is_main, desc="dpo", dynamic_ncols=True)
+
+    # ---- loop --------------------------------------------------------------------------------------
     train_model.train()
     for step in range(start_step, total_steps):
-        # schedule
-        lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # save (the state after `step` updates)
-        if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:
-            save_checkpoint(step)
+        lr = set_lr(args, optimizer, step, total_steps, warmup_steps)
+        if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:  # the state after `step` updates
+            save_checkpoint(args, world, model, tokenizer, optimizer, step, total_steps, warmup_steps, resume_from)
         t0 = time.perf_counter()
-        # batch: this rank's micro-batches of global batch `step`
         batch_epoch, indices = batches[step]
-        micro = [collate_pairs(indices[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs],
-                               pairs, pad_id) for k in range(accum)]
-        local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
-                                      config.hidden_size) for mb in micro)
-        # loss and backward, accumulating; gradients are synchronised on the last micro-batch only
-        # sums: loss, rewards c/r, accuracy, logps c/r; tokens; nll
-        stats = torch.zeros(8, dtype=torch.float64, device=device)
-        for k, mb in enumerate(micro):
-            last = k == accum - 1
-            if args.use_fsdp:
-                train_model.set_requires_gradient_sync(last)
-            elif world_size > 1:
-                train_model.require_backward_grad_sync = last  # what DDP's no_sync() context toggles
-            chosen, rejected, chosen_mean, _ = pair_logps(mb, train_model)
-            idx = mb["index"].to(device)
-            # ALGORITHM: every pair weighs the same. Mean over this micro-batch, / accum over the
-            # accumulation steps; DDP / FSDP2 average over ranks: the mean over the global batch.
-            losses, chosen_r, rejected_r = dpo_loss(
-                chosen.float(), rejected.float(), ref_train[0][idx] if use_reference else None,
-                ref_train[1][idx] if use_reference else None, args.beta, args.loss_type,
-                args.label_smoothing, args.gamma_beta_ratio)
-            nll = -chosen_mean.float()  # RPO's term: the chosen answer's per-token NLL, per pair
-            ((losses.mean() + args.rpo_alpha * nll.mean()) / accum).backward()
-            stats += torch.stack([losses.detach().sum(), chosen_r.sum(), rejected_r.sum(),
-                                  (chosen_r > rejected_r).float().sum(), chosen.detach().sum(), rejected.detach().sum(),
-                                  torch.tensor(float(sum(mb["doc_lengths"])), device=device),
-                                  nll.detach().sum()]).double()
-        # clip, step
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable],
-                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        # log
-        if world_size > 1:
+        micro = [collate_pairs(part, pairs, pad_id) for part in micro_batches(indices, world, micro_bs, accum)]
+        local_flops = sum(train_flops(mb["doc_lengths"], *shape) for mb in micro)
+        stats = train_step(args, world, train_model, score, micro, ref_train)
+        grad_norm = clip_and_step(args, trainable, optimizer)
+        if world.size > 1:
             dist.all_reduce(stats)
-        step_flops = all_reduce_sum([local_flops])[0]
+        step_flops = world.all_reduce_sum([local_flops])[0]
         dt = time.perf_counter() - t0
         # MFU <= 1: a step faster than the measured peak proves the devices' peak is at least its rate
         peak_total = max(peak_total, step_flops / dt)
@@ -1083,32 +1249,16 @@ def main():
         metrics = {"step": step + 1, "train/loss": loss, "train/rewards/chosen": r_chosen,
                    "train/rewards/rejected": r_rejected, "train/rewards/margin": r_chosen - r_rejected,
                    "train/accuracy": acc, "train/logps/chosen": logp_c, "train/logps/rejected": logp_r,
-                   "train/nll": stats[7].item() / global_pairs, "train/lr": lr, "train/grad_norm": float(grad_norm),
-                   "train/epoch": batch_epoch,
-                   "time/step_s": dt, "perf/tokens_per_s": stats[6].item() / dt,
+                   "train/nll": stats[7].item() / global_pairs, "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/epoch": batch_epoch, "time/step_s": dt, "perf/tokens_per_s": stats[6].item() / dt,
                    "perf/mfu": step_flops / dt / peak_total}
         progress.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.2f}", lr=f"{lr:.2e}")
-        echo = eval_now or last_step or (step + 1) % max(1, args.logging_steps) == 0
-        log({**metrics, **(evaluate() if eval_now else {})}, echo)  # eval: the model after step + 1 updates
+        if eval_now:  # the model after step + 1 updates
+            metrics.update(evaluate(args, world, model, score, eval_pairs, ref_eval, pad_id))
+        run_log.log(metrics, echo=eval_now or last_step or (step + 1) % max(1, args.logging_steps) == 0)
     progress.close()
-
-    # ---- save -----------------------------------------------------------------------------------
-    model_sd = get_model_state_dict(model, options=full)
-    if is_main:
-        save_hf(args.output_dir, model_sd)
-        if args.use_lora and args.merge_lora:
-            from peft import PeftModel
-            base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-            merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
-            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
-            tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
-        print(f"saved {'LoRA adapter' if args.use_lora else 'model'} to {args.output_dir}")
-        metrics_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    barrier()
-    if world_size > 1:
-        dist.destroy_process_group()
+    save_final_model(args, world, model, tokenizer)
+    finish(world, run_log)
 
 
 if __name__ == "__main__":

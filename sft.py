@@ -171,9 +171,9 @@ UNSUPPORTED_FLAGS = {
 RESUME_IGNORED_ARGS = ("resume", "use_fsdp", "save_steps", "logging_steps", "report_to")
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers: batching, loss, schedule, FLOPs, checkpoints
-# ---------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# ALGORITHM: rows of conversations, batches, the loss
+# -------------------------------------------------------------------------------------------------
 def pack_rows(lengths: list[int], order: list[int], max_seq_length: int, packing: bool) -> list[list[int]]:
     """Conversation indices (in `order`) -> rows, each a list of conversation indices.
 
@@ -415,6 +415,10 @@ def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
     return f"memory plan: {line}"
 
 
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same in sft.py and dpo.py; GPU_PEAKS and measure_peaks also in grpo.py): the lr
+# schedule, training FLOPs and the devices' peak FLOP/s (for MFU)
+# -------------------------------------------------------------------------------------------------
 def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
     """Learning-rate multiplier: linear warmup to 1, then linear or cosine decay towards 0.
 
@@ -485,6 +489,9 @@ def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
                               f"and a 256 MiB copy, best of {reps}")
 
 
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same functions in sft.py, dpo.py and grpo.py): output_dir, checkpoints
+# -------------------------------------------------------------------------------------------------
 def latest_checkpoint(output_dir: str) -> str | None:
     """The newest complete checkpoint. Complete = renamed from its temp dir, so half-written `.tmp-*` dirs
     never count."""
@@ -571,103 +578,112 @@ def prune_checkpoints(root: str, keep: int, protect: str | None = None) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------
-def main():
-    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
-    if not args.model_name_or_path or not args.dataset_mixer_list:
-        raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
-    check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same functions in sft.py and dpo.py, in this order): distributed setup, tokenizer,
+# the run's batches, the model, optimizer, resume, checkpoints, logging, the final save
+# -------------------------------------------------------------------------------------------------
+@dataclass
+class World:
+    """This process's place in the torchrun job (world size 1: a plain `python` run of the same code)."""
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
 
-    # ---- setup (plumbing: the same block in every stage script) ---------------------------
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.size > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+
+def setup_world(seed: int) -> World:
+    """Ranks from torchrun's environment, this rank's device, the process group, and the seeds."""
+    rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1:
+    if size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    is_main = rank == 0
-    torch.manual_seed(args.seed)  # same on every rank until the model is built (LoRA init must agree)
-    random.seed(args.seed + rank)
+    torch.manual_seed(seed)  # same on every rank until the model is built (LoRA init must agree)
+    random.seed(seed + rank)
+    return World(rank, size, local_rank, device)
 
-    def barrier():
-        if world_size > 1:
-            dist.barrier()
 
-    def all_reduce_sum(values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        if world_size > 1:
-            dist.all_reduce(t)
-        return t.tolist()
-
-    # ---- data -------------------------------------------------------------------------------
+def load_tokenizer(args) -> tuple:
+    """The tokenizer with the chat template to train with (saved with the model, so inference renders the same
+    way), and the padding id."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    if args.chat_template:  # train with it and save it with the model, so inference renders the same way
+    if args.chat_template:
         tokenizer.chat_template = chat_template.get_template(args.chat_template)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if not is_main:
-        barrier()  # rank 0 fills the datasets cache first
-    dataset = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
-    dataset, drops = chat_template.tokenize_sft(dataset, tokenizer, args.max_seq_length,
-                                                over_length_strategy=args.over_length_strategy,
-                                                chat_template=args.chat_template)
-    if is_main:
-        barrier()
-    examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
-    lengths = [len(e["input_ids"]) for e in examples]
-    if not examples:
-        raise SystemExit(f"no trainable rows left (dropped: {dict(drops)})")
+    return tokenizer, pad_id
 
-    # The whole run's batches are a pure function of (seed, epoch): epoch e shuffles with seed + e.
-    # Batch s of the run is the data position a checkpoint stores, so a resume sees the same rows.
-    micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_rows = micro_bs * accum * world_size
+
+def plan_batches(args, num_items: int, global_batch: int, rows_of, unit: str) -> tuple[list, int, int, int]:
+    """The whole run's global batches [(epoch, rows)], the epochs they span, the total and warmup steps.
+
+    A pure function of (seed, epoch): epoch e shuffles the items with seed + e, and `rows_of` turns that order
+    into rows. Batch s of the run is the data position a checkpoint stores, so a resume sees the same rows.
+    """
     batches, epoch = [], 0
     while True:
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-        rows = pack_rows(lengths, order, args.max_seq_length, args.packing)
-        if len(rows) < global_rows:
-            raise SystemExit(f"{len(rows)} rows cannot fill one global batch of {global_rows} rows")
-        batches += [(epoch, rows[i:i + global_rows]) for i in range(0, len(rows) - global_rows + 1, global_rows)]
+        order = torch.randperm(num_items, generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        rows = rows_of(order)
+        if len(rows) < global_batch:
+            raise SystemExit(f"{len(rows)} {unit} cannot fill one global batch of {global_batch} {unit}")
+        batches += [(epoch, rows[i:i + global_batch]) for i in range(0, len(rows) - global_batch + 1, global_batch)]
         epoch += 1
         if ((args.max_steps > 0 and len(batches) >= args.max_steps)
             or (args.max_steps <= 0 and epoch >= args.num_train_epochs)):
             break
     total_steps = args.max_steps if args.max_steps > 0 else len(batches)
-    batches = batches[:total_steps]
-    warmup_steps = math.ceil(args.warmup_ratio * total_steps)
+    return batches[:total_steps], epoch, total_steps, math.ceil(args.warmup_ratio * total_steps)
 
-    # ---- model --------------------------------------------------------------------------------
-    resume_from = resume_checkpoint(args.output_dir, args.resume, is_main)
-    weights_from = resume_from if (resume_from and not args.use_lora) else args.model_name_or_path
-    rows_per_forward = args.per_device_train_batch_size  # each row up to max_seq_length tokens
+
+def plan_memory(args, shards: int, rows_per_forward: int, bf16: bool, flash: bool) -> dict:
+    """`memory_plan` of this run's model and arguments, its weights sharded over `shards` ranks."""
+    return memory_plan(AutoConfig.from_pretrained(args.model_name_or_path), args.max_seq_length, rows_per_forward,
+                       shards, bf16, args.gradient_checkpointing, args.logprob_chunk_size,
+                       trained=not args.use_lora, flash_attention=flash)
+
+
+def build_model(args, world: World, weights_from: str, resume_from: str | None, rows_per_forward: int) -> tuple:
+    """The memory plan (printed; the run stops here if it cannot fit), then the model: fp32 weights, the chunked
+    LM head, LoRA, FSDP2 or DDP. Returns (model, the module to train through, autocast, bf16, the FLOPs shape)."""
     # Weights stay fp32 (master weights, fp32 optimizer state); with --bf16 (default on GPU) compute runs
     # in bf16 through autocast (one rank, DDP) or FSDP2's mixed-precision policy (fp32 gradient reduction).
-    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
+    bf16 = args.bf16 if args.bf16 is not None else world.device.type == "cuda"
     # Flash attention separates packed rows (restarting position ids) only at batch size 1; sdpa honours
     # the block-diagonal mask that transformers derives from them at any batch size.
-    flash = device.type == "cuda" and args.per_device_train_batch_size == 1 and \
+    flash = world.device.type == "cuda" and args.per_device_train_batch_size == 1 and \
         importlib.util.find_spec("flash_attn") is not None
-    available = device_memory_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-    def plan_for(shards: int) -> dict:
-        return memory_plan(AutoConfig.from_pretrained(args.model_name_or_path), args.max_seq_length, rows_per_forward,
-                           shards, bf16, args.gradient_checkpointing, args.logprob_chunk_size,
-                           trained=not args.use_lora, flash_attention=flash)
-    if device.type == "cuda" and world_size > 1 and not args.use_fsdp and plan_for(1)["total"] > available:
+    available = device_memory_bytes(world.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if (world.device.type == "cuda" and world.size > 1 and not args.use_fsdp
+            and plan_memory(args, 1, rows_per_forward, bf16, flash)["total"] > available):
         args.use_fsdp = True  # it would not fit one GPU: shard it
-    plan_line = check_memory_plan(plan_for(world_size if args.use_fsdp else 1), available,
+    plan = plan_memory(args, world.size if args.use_fsdp else 1, rows_per_forward, bf16, flash)
+    plan_line = check_memory_plan(plan, available,
                                   "--gradient_checkpointing, --use_fsdp or more GPUs, a smaller --max_seq_length or "
                                   "--per_device_train_batch_size, --use_lora, a smaller --logprob_chunk_size")
-    if is_main:
+    if world.is_main:
         print(plan_line, flush=True)
     model = AutoModelForCausalLM.from_pretrained(weights_from, dtype=torch.float32,
                                                  attn_implementation="flash_attention_2" if flash else "sdpa")
     model.config.use_cache = False
-    config = model.config
     non_embedding_params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    shape = (non_embedding_params, model.config.num_hidden_layers, model.config.hidden_size)  # for train_flops
     install_chunked_head(model, args.logprob_chunk_size)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -679,13 +695,13 @@ def main():
             targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
             model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
-    torch.manual_seed(args.seed + rank)  # from here on each rank has its own RNG stream
+    torch.manual_seed(args.seed + world.rank)  # from here on each rank has its own RNG stream
     if not args.use_fsdp:
-        model.to(device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
+        model.to(world.device)  # (FSDP2 moves each rank's shard to the device itself, never the whole model)
     if args.use_fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh = init_device_mesh(device.type, (world_size,))
+        mesh = init_device_mesh(world.device.type, (world.size,))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
         base = model.get_base_model() if args.use_lora else model
@@ -695,78 +711,94 @@ def main():
                 fully_shard(module, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         train_model = model
-    elif world_size > 1:
+    elif world.size > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None)
+            model, device_ids=[world.local_rank] if world.device.type == "cuda" else None)
     else:
         train_model = model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=bf16 and not args.use_fsdp)
+    return model, train_model, autocast, bf16, shape
 
+
+def make_optimizer(args, model) -> tuple[list, torch.optim.Optimizer]:
+    """AdamW over the trained parameters; weight decay on matrices only, never on norms (or biases)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
               {"params": [p for n, p in trainable if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
+    return trainable, torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-8)
 
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    start_step = 0
-    if resume_from:
-        state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
-        start_step = state["step"]
-        changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
-                   if k not in RESUME_IGNORED_ARGS and getattr(args, k, v) != v}
-        if changed and is_main:  # a different run would not continue "exactly"; say so loudly
-            print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
-        rng_file = os.path.join(resume_from, f"rng_rank{rank}.pt")
-        if os.path.isfile(rng_file):
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            if device.type == "cuda" and rng.get("cuda") is not None:
-                torch.cuda.set_rng_state(rng["cuda"])
 
-    def save_hf(path: str, state_dict: dict) -> None:
-        """Rank 0: weights (or the LoRA adapter), config, tokenizer and its chat template (plumbing)."""
-        model.save_pretrained(path, state_dict=state_dict)
-        tokenizer.save_pretrained(path)
+def restore_training_state(args, world: World, model, optimizer, resume_from: str | None) -> int:
+    """From a checkpoint (the weights are already loaded): the optimizer, this rank's RNG; returns its step."""
+    if not resume_from:
+        return 0
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    state = torch.load(os.path.join(resume_from, "training_state.pt"), weights_only=False)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    changed = {k: (v, getattr(args, k)) for k, v in state["args"].items()
+               if k not in RESUME_IGNORED_ARGS and getattr(args, k, v) != v}
+    if changed and world.is_main:  # a different run would not continue "exactly"; say so loudly
+        print(f"WARNING: resuming {resume_from} with changed arguments (saved, now): {changed}")
+    rng_file = os.path.join(resume_from, f"rng_rank{world.rank}.pt")
+    if os.path.isfile(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if world.device.type == "cuda" and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state["step"]
 
-    def save_checkpoint(step: int) -> None:
-        """Atomic: write everything into a temp dir, fsync, rename, then move `latest`; old ones go last."""
-        model_sd = get_model_state_dict(model, options=full)  # collective: every rank calls it
-        optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
-        root = os.path.join(args.output_dir, "checkpoints")
-        name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
-        if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_hf(tmp, model_sd)
-            torch.save({"optimizer": optim_sd, "step": step, "args": asdict(args), "world_size": world_size,
-                        "scheduler": {"step": step, "total_steps": total_steps, "warmup_steps": warmup_steps}},
-                       os.path.join(tmp, "training_state.pt"))
-        barrier()
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if device.type == "cuda" else None},
-                   os.path.join(tmp, f"rng_rank{rank}.pt"))
-        barrier()
-        if is_main:
-            publish_checkpoint(root, tmp, name)
-            prune_checkpoints(root, args.keep_last_n_checkpoints, protect=resume_from)  # the new one is complete
-        barrier()
 
-    # ---- logging (plumbing) ---------------------------------------------------------------
-    peak, _, peak_source = measure_peaks(device)
-    peak_total = all_reduce_sum([peak])[0]
-    derived = {"world_size": world_size, "global_batch_rows": global_rows, "total_steps": total_steps,
-               "warmup_steps": warmup_steps, "epochs": epoch, "conversations": len(examples),
-               "dropped": dict(drops), "trained_params": sum(p.numel() for _, p in trainable),
-               "non_embedding_params": non_embedding_params, "fsdp": args.use_fsdp, "bf16": bf16,
-               "peak_flops_per_device": peak, "peak_flops_source": peak_source, "resume_from": resume_from}
-    wandb_run = None
-    if is_main:
+def full_state_dict(model) -> dict:
+    """The whole model's weights (or LoRA adapter) on CPU, gathered from every rank: a collective, every rank
+    calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf(model, tokenizer, path: str, state_dict: dict) -> None:
+    """Rank 0: weights (or the LoRA adapter), config, tokenizer and its chat template."""
+    model.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+
+
+def save_checkpoint(args, world: World, model, tokenizer, optimizer, step: int, total_steps: int, warmup_steps: int,
+                    resume_from: str | None) -> None:
+    """Atomic: write everything into a temp dir, fsync, rename, then move `latest`; old ones go last."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    model_sd = full_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    root = os.path.join(args.output_dir, "checkpoints")
+    name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf(model, tokenizer, tmp, model_sd)
+        torch.save({"optimizer": optim_sd, "step": step, "args": asdict(args), "world_size": world.size,
+                    "scheduler": {"step": step, "total_steps": total_steps, "warmup_steps": warmup_steps}},
+                   os.path.join(tmp, "training_state.pt"))
+    world.barrier()
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state() if world.device.type == "cuda" else None},
+               os.path.join(tmp, f"rng_rank{world.rank}.pt"))
+    world.barrier()
+    if world.is_main:
+        publish_checkpoint(root, tmp, name)
+        prune_checkpoints(root, args.keep_last_n_checkpoints, protect=resume_from)  # the new one is complete
+    world.barrier()
+
+
+class RunLog:
+    """Rank 0: run_config.json (every argument and what was derived from them), wandb, and `log`: one JSON line
+    per call in metrics.jsonl (appended to on resume), one wandb row and (echo) one line on stdout."""
+
+    def __init__(self, args, world: World, derived: dict, resume_from: str | None):
+        self.file, self.wandb_run = None, None
+        if not world.is_main:
+            return
         os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "run_config.json"), "w") as f:  # every argument, for the record
+        with open(os.path.join(args.output_dir, "run_config.json"), "w") as f:
             json.dump({"args": asdict(args), "derived": derived}, f, indent=1, default=str)
         print("run: " + " ".join(f"{k}={v}" for k, v in derived.items()) + f" (all arguments: {f.name})", flush=True)
         if args.report_to == "wandb":
@@ -774,94 +806,188 @@ def main():
             # wandb's own mode: WANDB_MODE when set, else online when logged in, else offline
             mode = (None if os.environ.get("WANDB_MODE")
                     else "online" if wandb.login(prompt=False, verify=False) else "offline")
-            wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
-                                   dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
-    metrics_file = (open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w") if is_main
-                    else None)
+            self.wandb_run = wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=args.run_name,
+                                        dir=args.output_dir, config={**asdict(args), **derived}, mode=mode)
+        self.file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if resume_from else "w")
 
-    def log(metrics: dict, echo: bool = True) -> None:
-        """One JSON line in metrics.jsonl, one wandb row and (echo) one line on stdout (rank 0 only)."""
-        if is_main:
-            if echo:
-                tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            if wandb_run is not None:
-                wandb_run.log(metrics, step=metrics["step"])
+    def log(self, metrics: dict, echo: bool = True) -> None:
+        if self.file is None:
+            return
+        if echo:
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()))
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=metrics["step"])
 
-    progress = tqdm(total=total_steps, initial=start_step, disable=not is_main, desc="sft", dynamic_ncols=True)
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
-    # ---- loop ---------------------------------------------------------------------------------
+
+def set_lr(args, optimizer, step: int, total_steps: int, warmup_steps: int) -> float:
+    """The schedule's learning rate for `step`, set in every parameter group."""
+    lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def micro_batches(rows: list, world: World, micro_bs: int, accum: int) -> list[list]:
+    """This rank's `accum` micro-batches of one global batch: micro-batch k of rank r is slice k x ranks + r."""
+    return [rows[(k * world.size + world.rank) * micro_bs:(k * world.size + world.rank + 1) * micro_bs]
+            for k in range(accum)]
+
+
+def sync_gradients(args, world: World, train_model, last: bool) -> None:
+    """Gradients are all-reduced on the last micro-batch of a step only (accumulation needs no communication)."""
+    if args.use_fsdp:
+        train_model.set_requires_gradient_sync(last)
+    elif world.size > 1:
+        train_model.require_backward_grad_sync = last  # what DDP's no_sync() context toggles
+
+
+def clip_and_step(args, trainable: list, optimizer) -> float:
+    """Clip the global gradient norm (<= 0: no clipping), step, zero the gradients; returns the norm before
+    clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable],
+                                               args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def save_final_model(args, world: World, model, tokenizer) -> None:
+    """The trained model (or LoRA adapter) as a Hugging Face directory in output_dir; with --merge_lora also
+    base + adapter merged, in output_dir/merged."""
+    model_sd = full_state_dict(model)
+    if not world.is_main:
+        return
+    save_hf(model, tokenizer, args.output_dir, model_sd)
+    if args.use_lora and args.merge_lora:
+        from peft import PeftModel
+        base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
+        merged.save_pretrained(os.path.join(args.output_dir, "merged"))
+        tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
+    print(f"saved {'LoRA adapter' if args.use_lora else 'model'} to {args.output_dir}")
+
+
+def finish(world: World, run_log) -> None:
+    """Close the logs, wait for every rank, leave the process group."""
+    if run_log is not None:
+        run_log.close()
+    world.barrier()
+    if world.size > 1:
+        dist.destroy_process_group()
+
+
+# -------------------------------------------------------------------------------------------------
+# ALGORITHM: this stage's data and its training step
+# -------------------------------------------------------------------------------------------------
+def load_data(args, tokenizer, world: World) -> tuple[list[dict], dict]:
+    """The mixture's conversations tokenized for SFT, [{"input_ids", "labels"}], and the drops by reason."""
+    if not world.is_main:
+        world.barrier()  # rank 0 fills the datasets cache first
+    dataset = chat_template.load_mixture(args.dataset_mixer_list, split=args.dataset_mixer_list_splits, seed=args.seed)
+    dataset, drops = chat_template.tokenize_sft(dataset, tokenizer, args.max_seq_length,
+                                                over_length_strategy=args.over_length_strategy,
+                                                chat_template=args.chat_template)
+    if world.is_main:
+        world.barrier()
+    examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+    if not examples:
+        raise SystemExit(f"no trainable rows left (dropped: {dict(drops)})")
+    return examples, drops
+
+
+def train_step(args, world: World, train_model, autocast, micro: list[dict], shape: tuple) -> tuple:
+    """Forward and backward over this rank's micro-batches of one step, accumulating the gradients.
+
+    The trained tokens of the whole step (all ranks, all micro-batches) are counted first: `sft_loss`
+    divides by them. Returns this rank's NLL sum and, over all ranks, the trained tokens, tokens and FLOPs.
+    """
+    local_trained = sum(int((mb["targets"] != -100).sum()) for mb in micro)
+    local_flops = sum(train_flops(mb["doc_lengths"], *shape) for mb in micro)
+    num_trained, num_tokens, step_flops = world.all_reduce_sum(
+        [local_trained, sum(sum(mb["doc_lengths"]) for mb in micro), local_flops])
+    nll_total = 0.0
+    for k, mb in enumerate(micro):
+        sync_gradients(args, world, train_model, last=k == len(micro) - 1)
+        with autocast:
+            loss, nll_sum = sft_loss(train_model, mb, world.device, max(num_trained, 1), world.size)
+        loss.backward()
+        nll_total += nll_sum.item()
+    return nll_total, num_trained, num_tokens, step_flops
+
+
+# -------------------------------------------------------------------------------------------------
+def main():
+    args = chat_template.parse_stage_args(Args, UNSUPPORTED_FLAGS)
+    if not args.model_name_or_path or not args.dataset_mixer_list:
+        raise SystemExit("--model_name_or_path and --dataset_mixer_list are required")
+    check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
+    world = setup_world(args.seed)
+
+    # ---- data: the run's global batches of rows (a row: one conversation, or several packed) ----
+    tokenizer, pad_id = load_tokenizer(args)
+    examples, drops = load_data(args, tokenizer, world)
+    lengths = [len(e["input_ids"]) for e in examples]
+    micro_bs, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_rows = micro_bs * accum * world.size
+    batches, epoch, total_steps, warmup_steps = plan_batches(
+        args, len(examples), global_rows, lambda order: pack_rows(lengths, order, args.max_seq_length, args.packing),
+        "rows")
+
+    # ---- model, optimizer, resume ----------------------------------------------------------------
+    resume_from = resume_checkpoint(args.output_dir, args.resume, world.is_main)
+    weights_from = resume_from if (resume_from and not args.use_lora) else args.model_name_or_path
+    model, train_model, autocast, bf16, shape = build_model(args, world, weights_from, resume_from,
+                                                            rows_per_forward=micro_bs)
+    trainable, optimizer = make_optimizer(args, model)
+    start_step = restore_training_state(args, world, model, optimizer, resume_from)
+
+    # ---- logging -----------------------------------------------------------------------------------
+    peak, _, peak_source = measure_peaks(world.device)
+    peak_total = world.all_reduce_sum([peak])[0]
+    derived = {"world_size": world.size, "global_batch_rows": global_rows, "total_steps": total_steps,
+               "warmup_steps": warmup_steps, "epochs": epoch, "conversations": len(examples),
+               "dropped": dict(drops), "trained_params": sum(p.numel() for _, p in trainable),
+               "non_embedding_params": shape[0], "fsdp": args.use_fsdp, "bf16": bf16,
+               "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+               "peak_flops_per_device": peak, "peak_flops_source": peak_source, "resume_from": resume_from}
+    run_log = RunLog(args, world, derived, resume_from)
+    progress = tqdm(total=total_steps, initial=start_step, disable=not world.is_main, desc="sft", dynamic_ncols=True)
+
+    # ---- loop --------------------------------------------------------------------------------------
     train_model.train()
     for step in range(start_step, total_steps):
-        # schedule
-        lr = args.learning_rate * lr_at(step, total_steps, warmup_steps, args.lr_scheduler_type)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # save (the state after `step` updates)
-        if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:
-            save_checkpoint(step)
+        lr = set_lr(args, optimizer, step, total_steps, warmup_steps)
+        if args.save_steps > 0 and step > start_step and step % args.save_steps == 0:  # the state after `step` updates
+            save_checkpoint(args, world, model, tokenizer, optimizer, step, total_steps, warmup_steps, resume_from)
         t0 = time.perf_counter()
-        # batch: this rank's micro-batches of global batch `step`; count trained tokens over the whole step first
         batch_epoch, rows = batches[step]
-        micro = [collate(rows[(k * world_size + rank) * micro_bs:(k * world_size + rank + 1) * micro_bs], examples,
-                         pad_id) for k in range(accum)]
-        local_trained = sum(int((mb["targets"] != -100).sum()) for mb in micro)
-        local_flops = sum(train_flops(mb["doc_lengths"], non_embedding_params, config.num_hidden_layers,
-                                      config.hidden_size) for mb in micro)
-        num_trained, num_tokens, step_flops = all_reduce_sum(
-            [local_trained, sum(sum(mb["doc_lengths"]) for mb in micro), local_flops])
-        # loss and backward, accumulating; gradients are synchronised on the last micro-batch only
-        nll_total = 0.0
-        for k, mb in enumerate(micro):
-            last = k == accum - 1
-            if args.use_fsdp:
-                train_model.set_requires_gradient_sync(last)
-            elif world_size > 1:
-                train_model.require_backward_grad_sync = last  # what DDP's no_sync() context toggles
-            with autocast:
-                loss, nll_sum = sft_loss(train_model, mb, device, max(num_trained, 1), world_size)
-            loss.backward()
-            nll_total += nll_sum.item()
-        # clip, step
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable],
-                                                   args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        # log
-        nll_total = all_reduce_sum([nll_total])[0]
+        micro = [collate(part, examples, pad_id) for part in micro_batches(rows, world, micro_bs, accum)]
+        nll_total, num_trained, num_tokens, step_flops = train_step(args, world, train_model, autocast, micro, shape)
+        grad_norm = clip_and_step(args, trainable, optimizer)
+        nll_total = world.all_reduce_sum([nll_total])[0]
         dt = time.perf_counter() - t0
         # MFU <= 1: a step faster than the measured peak proves the devices' peak is at least its rate
         peak_total = max(peak_total, step_flops / dt)
         progress.update(1)
         last_step = step + 1 == total_steps
         metrics = {"step": step + 1, "train/loss": nll_total / max(num_trained, 1), "train/lr": lr,
-                   "train/grad_norm": float(grad_norm), "train/epoch": batch_epoch,
+                   "train/grad_norm": grad_norm, "train/epoch": batch_epoch,
                    "train/trained_tokens": int(num_trained), "time/step_s": dt,
                    "perf/tokens_per_s": num_tokens / dt, "perf/mfu": step_flops / dt / peak_total}
         progress.set_postfix(loss=f"{metrics['train/loss']:.4f}", lr=f"{lr:.2e}")
-        echo = last_step or (step + 1) % max(1, args.logging_steps) == 0
-        log(metrics, echo)
+        run_log.log(metrics, echo=last_step or (step + 1) % max(1, args.logging_steps) == 0)
     progress.close()
-
-    # ---- save -----------------------------------------------------------------------------------
-    model_sd = get_model_state_dict(model, options=full)
-    if is_main:
-        save_hf(args.output_dir, model_sd)
-        if args.use_lora and args.merge_lora:
-            from peft import PeftModel
-            base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-            merged = PeftModel.from_pretrained(base, args.output_dir).merge_and_unload()
-            merged.save_pretrained(os.path.join(args.output_dir, "merged"))
-            tokenizer.save_pretrained(os.path.join(args.output_dir, "merged"))
-        print(f"saved {'LoRA adapter' if args.use_lora else 'model'} to {args.output_dir}")
-        metrics_file.close()
-        if wandb_run is not None:
-            wandb_run.finish()
-    barrier()
-    if world_size > 1:
-        dist.destroy_process_group()
+    save_final_model(args, world, model, tokenizer)
+    finish(world, run_log)
 
 
 if __name__ == "__main__":

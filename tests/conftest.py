@@ -115,3 +115,20 @@ def _fixture_key(paths: list[str], args: list[str]) -> str:
 SFT_FIXTURE_ARGS = ["--num_train_epochs", "3", "--learning_rate", "3e-3", "--per_device_train_batch_size", "32",
                     "--gradient_accumulation_steps", "1", "--warmup_ratio", "0.05", "--max_seq_length", "256",
                     "--save_steps", "0", "--seed", "0", "--report_to", "none"]
+
+
+def flops_per_token_bounds(model_dir: str) -> tuple[float, float]:
+    """What one trained token of the toy model costs, counted by hand from its config.json: 6 x N for the matmuls
+    (N: every parameter but the input embedding), plus causal attention, 6 x layers x hidden x (mean context),
+    which on the toy data's conversations (well under 350 tokens) adds less than 10%."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    hidden, layers, ffn = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q_o = 2 * hidden * c["num_attention_heads"] * head_dim
+    k_v = 2 * hidden * c["num_key_value_heads"] * head_dim
+    norms = c["num_attention_heads"] * head_dim + c["num_key_value_heads"] * head_dim + 2 * hidden  # q, k, 2 layer
+    per_layer = q_o + k_v + 3 * hidden * ffn + norms
+    head = 0 if c.get("tie_word_embeddings") else c["vocab_size"] * hidden
+    n = layers * per_layer + hidden + head  # + the final norm
+    return 6.0 * n, 6.6 * n

@@ -760,40 +760,70 @@ def test_memory_plan_matches_what_a_real_step_holds():
 # Data safety: output_dir, checkpoints, RL rows
 # -------------------------------------------------------------------------------------------------
 def _stage_definitions(script: str) -> dict:
-    """Top-level functions, classes and assignments of a stage script, by name: their exact source."""
+    """Top-level functions, classes and assignments of a stage script, by name, in file order: their exact
+    source, decorators included."""
     text = open(os.path.join(REPO, script)).read()
+    lines = text.splitlines(keepends=True)
     out = {}
     for node in ast.parse(text).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            out[node.name] = ast.get_source_segment(text, node)
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out[node.name] = "".join(lines[first - 1:node.end_lineno])
         elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             out[node.targets[0].id] = ast.get_source_segment(text, node)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = ast.get_source_segment(text, node)
     return out
 
 
 def test_checkpoint_helpers_are_the_same_in_every_stage():
     """One-file-per-stage: sft.py, dpo.py and grpo.py each carry these, and they must not drift apart
-    (checkpoint save / resume / prune, peak FLOPs, memory plan, the chunked LM head; sft.py and dpo.py
-    also share the lr schedule and the training FLOPs)."""
+    (checkpoint save / resume / prune, peak FLOPs, memory plan, the chunked LM head); every main() decides
+    where to resume through the shared function. (What sft.py and dpo.py alone share:
+    test_sft_and_dpo_main_share_their_plumbing_blocks.)"""
     stages = [_stage_definitions(script) for script in ("sft.py", "dpo.py", "grpo.py")]
     for name in ("latest_checkpoint", "resume_checkpoint", "fsync_dir", "check_output_dir", "publish_checkpoint",
                  "prune_checkpoints", "GPU_PEAKS", "measure_peaks", "memory_plan", "device_memory_bytes",
                  "check_memory_plan", "ChunkedLogprobs", "ChunkedLogprobHead", "install_chunked_head",
                  "target_logprobs"):
         assert stages[0][name] == stages[1][name] == stages[2][name], name
-    for name in ("lr_at", "train_flops"):
-        assert stages[0][name] == stages[1][name], name
-    for stage in stages:  # every main() decides where to resume through the shared function
+    for stage in stages:
         calls = {n.func.id for n in ast.walk(ast.parse(stage["main"])) if isinstance(n, ast.Call)
                  and isinstance(n.func, ast.Name)}
         assert "resume_checkpoint" in calls and "latest_checkpoint" not in calls, calls
 
 
+# What only one of sft.py / dpo.py defines (its algorithm and, for dpo.py, the reference cache), and what both
+# define differently (the stage's arguments, data, training step and main); everything else both define is
+# plumbing and must be byte-identical.
+_SFT_ONLY = {"pack_rows", "collate", "token_nll", "sft_loss"}
+_DPO_ONLY = {"DEFAULT_BETA", "AVERAGE_LOGPS", "dpo_loss", "collate_pairs", "sequence_logps", "model_fingerprint",
+             "pairs_fingerprint", "reference_cache_key", "shard_batches", "tokenize_pairs", "pair_logps", "preference_loss",
+             "reference_tables", "compute_reference_logps", "save_reference_logps", "load_resumed_weights",
+             "evaluate"}
+_SFT_DPO_OWN = {"Args", "UNSUPPORTED_FLAGS", "RESUME_IGNORED_ARGS", "load_data", "train_step", "main"}
+
+
 def test_sft_and_dpo_main_share_their_plumbing_blocks():
-    """`diff sft.py dpo.py` shows the algorithm and the reference cache only: the blocks of main() that do the
-    same thing (distributed setup, model / FSDP / DDP, optimizer, resume, checkpoint save, peak FLOPs and
-    MFU, lr schedule, logging, final save) are byte-identical, each from its first line to its last."""
-    mains = [_stage_definitions(script)["main"].splitlines() for script in ("sft.py", "dpo.py")]
+    """`diff sft.py dpo.py` shows the algorithm and the reference cache only: every top-level function, class
+    and constant both files define is byte-identical and in the same order, except the stage's own (arguments,
+    data, training step, main); the plumbing main() calls is all top level (main <= 150 lines, no nested
+    function), and the lines of main() that do the same thing (the loop's schedule and checkpoint, MFU, the
+    final save) are byte-identical too."""
+    sft_defs, dpo_defs = (_stage_definitions(script) for script in ("sft.py", "dpo.py"))
+    assert set(sft_defs) - set(dpo_defs) == _SFT_ONLY and set(dpo_defs) - set(sft_defs) == _DPO_ONLY
+    both = [name for name in sft_defs if name in dpo_defs]
+    assert both == [name for name in dpo_defs if name in sft_defs], "the shared definitions come in another order"
+    differ = {name for name in both if sft_defs[name] != dpo_defs[name]}
+    assert differ == _SFT_DPO_OWN, differ ^ _SFT_DPO_OWN
+    assert {"World", "setup_world", "plan_batches", "build_model", "save_checkpoint", "RunLog", "lr_at",
+            "save_final_model"} <= set(both) - differ  # the plumbing is there, not only the names
+    mains = []
+    for defs in (sft_defs, dpo_defs):
+        main = ast.parse(defs["main"]).body[0]
+        assert main.end_lineno - main.lineno + 1 <= 150
+        assert not [n for n in ast.walk(main) if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n is not main]
+        mains.append(defs["main"].splitlines())
 
     def block(lines: list[str], first: str, last: str) -> list[str]:
         start = next(i for i, line in enumerate(lines) if line.startswith(first))
@@ -801,22 +831,18 @@ def test_sft_and_dpo_main_share_their_plumbing_blocks():
         return lines[start:end + 1]
 
     blocks = [  # (first line starts with, last line starts with), both as written in main()
-        ("    # ---- setup", "        return t.tolist()"),  # ranks, device, process group, seeds, collectives
-        ("    tokenizer = AutoTokenizer", "        barrier()  # rank 0 fills"),  # tokenizer, template, pad_id
-        ("        epoch += 1", "    resume_from = resume_checkpoint("),  # epochs / max_steps, warmup, resume
-        ("    bf16 = args.bf16", "    autocast = torch.autocast("),  # memory plan, FSDP auto-switch, model, wrap
-        ("    trainable = [", "            prune_checkpoints("),  # optimizer, resume, save_hf, save_checkpoint
-        ("    # ---- logging", "    peak_total = all_reduce_sum("),  # peak FLOPs
-        ("    wandb_run = None", "                wandb_run.log(metrics"),  # run_config, wandb, metrics, log()
+        ("    resume_from = resume_checkpoint(", "    resume_from = resume_checkpoint("),
+        ("    trainable, optimizer = make_optimizer(", "    peak_total = world.all_reduce_sum("),  # resume, peaks
+        ("    run_log = RunLog(", "    run_log = RunLog("),
         ("    # ---- loop", "        t0 = time.perf_counter()"),  # lr schedule, periodic checkpoint
-        ("        # clip, step", "        optimizer.zero_grad("),
+        ("        grad_norm = clip_and_step(", "        grad_norm = clip_and_step("),
         ("        dt = time.perf_counter() - t0", "        last_step = "),  # MFU <= 1
-        ("    progress.close()", "        dist.destroy_process_group()"),  # final save
+        ("    progress.close()", "    finish(world, run_log)"),  # final save
     ]
     for first, last in blocks:
         sft_block, dpo_block = (block(lines, first, last) for lines in mains)
-        assert len(sft_block) > 1 and sft_block == dpo_block, (first, [a for a in sft_block if a not in dpo_block],
-                                                               [b for b in dpo_block if b not in sft_block])
+        assert sft_block == dpo_block, (first, [a for a in sft_block if a not in dpo_block],
+                                        [b for b in dpo_block if b not in sft_block])
 
 
 def test_save_checkpoint_fsyncs_points_latest_and_keeps_last_n(toy_model_dir, tmp_path, monkeypatch):

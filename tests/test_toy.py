@@ -280,14 +280,19 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_vllm_generates_from_a_chat_prompt_with_matching_logprobs(toy_model_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     script = tmp_path / "serve.py"
     script.write_text(VLLM_SCRIPT)
     proc = subprocess.run([sys.executable, str(script), toy_model_dir], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert result["prompt"][-3:] != [] and len(result["tokens"]) >= 1
+    # the engine rendered the chat template as transformers does, and sampled at most max_tokens=16
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    assert result["prompt"] == list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3+4?"}], tokenize=True, add_generation_prompt=True,
+        return_dict=True)["input_ids"])
+    assert 1 <= len(result["tokens"]) <= 16
     # The engine's sampling logprobs are the model's own: recompute them with transformers.
     model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32)
     ids = torch.tensor([result["prompt"] + result["tokens"]])
