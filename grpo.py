@@ -2492,7 +2492,7 @@ def main():
     check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
 
     # ---------------------------------------------------------------------------------------------
-    # Distributed setup (same block as sft.py / dpo.py) plus the role split
+    # Distributed setup plus the role split
     # ---------------------------------------------------------------------------------------------
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
