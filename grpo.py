@@ -1,91 +1,40 @@
-"""OlmoRL: GRPO-style RL with verifiable rewards on torch.distributed learners and vLLM actors.
+"""OlmoRL (Olmo 3 sec 4.4): GRPO-style RL with verifiable rewards, torch.distributed learners and vLLM actors.
 
-Implements Olmo 3 sec 4.4 (OlmoRL infrastructure) in one file: continuous batching, active sampling,
-inflight weight updates, an off-policy bound, truncated importance sampling, clip-higher, and
-token-level loss normalization. Data flow:
+Continuous batching keeps every engine full; active sampling trains each step on exactly
+`num_unique_prompts_per_step` groups whose rewards differ; inflight updates load new weights between two
+engine steps without draining; an off-policy bound, truncated importance sampling against vLLM's sampling
+logprobs, clip-higher and token-level normalization make the loss (Olmo 3 / open-instruct grpo_fast defaults).
 
-    learner 0: prompt sampler -> actors (prefetch queue) -> vLLM engine kept full (add_request / step)
-    actors -> learner 0: each finished group (token ids, vLLM sampling logprobs, policy version per token)
-    learner 0: verifiers.py rewards -> drop zero-std groups, keep pulling until exactly
-               `num_unique_prompts_per_step` groups carry gradient (active sampling)
-               -> advantages -> pack -> split evenly across learners -> batch packed rows per forward
-    learners: clipped loss + optimizer step -> learner 0 streams the weights, parameter by parameter (each
-              gathered from the FSDP2 shards, cast to the training dtype, packed in buckets), straight into
-              the vLLM workers of every engine: no file, no copy on the actor ranks
-    actors: load the new weights between two engine steps, keep running requests and their KV cache
-            (inflight update), then check the engine against the learner on a fixed probe sequence
+    learner 0: prompts -> actors; finished groups -> verifiers.py rewards -> zero-std filter -> advantages
+    learners:  loss + optimizer step (FSDP2 with several) -> weights to every engine (vLLM's weight transfer)
+    actors:    one vLLM engine each; load the weights between two steps, probe them, keep generating
 
-Roles. torchrun ranks [0, num_learners) are learners (one learner: plain module; several: FSDP2),
-the other ranks are actors, each owning one vLLM engine (vLLM spawns its engine process). With one
-process (`python grpo.py`) the actor runs in a thread beside the learner (on CPU each gets half of
-the cores, `--cpu_affinity`, as torchrun ranks do). nccl on GPU, gloo on CPU;
-separate gloo groups carry prompts, finished groups and weight-transfer calls (Python objects) between
-roles. The weights go through vLLM's weight-transfer engine: learner 0 drives vLLM's trainer engine
-(`send_weights`: start_weight_update, update_weights, finish_weight_update), each actor makes those calls
-on its LLM between two engine steps, and vLLM's workers receive the weights in a process group of their
-own (learner 0 and every worker of every engine) and load them with vLLM's layerwise in-place reload.
-vLLM's `nccl` backend between GPUs; on CPU ours (`GlooWeightTransferEngine`), the same calls. With
-`--vllm_tensor_parallel_size k` an engine spans k GPUs (k CPU workers on CPU) and each of its k workers
-receives the stream. Every wait between roles has a timeout (`--timeout_s`).
+torchrun ranks [0, num_learners) learn, the others are actors; one process (`python grpo.py`) runs the actor
+in a thread beside the learner. Every wait between roles has a timeout (`--timeout_s`).
 
-Reading order: Args; the cost model (MFU / MBU); the algorithm (advantages, the zero-std filter,
-active sampling, the admission gate, the loss, packing); the chunked LM head and the memory plan; the
-weight stream; the actor; learner 0's link to the actors and its prompt dispatcher; the learner
-(`Policy`: the model and its optimizer; `Rollouts`: the rollout stream and all the state the learner
-keeps between steps; `plan_step` / `train_on`: one step; `learner()`: the loop); `main`; plumbing
-(logging, the summary, checkpoints).
+Departures, on purpose (README has the measurements):
+- The bound `async_steps` K applies at admission: a prompt starts only on weights at most K versions older
+  than the step that trains on it; its later tokens may come from newer weights (inflight updates). Every
+  token's version is recorded and the lags logged. `--max_token_lag` adds open-instruct's drop at
+  consumption, off by default: it selects against long answers.
+- An inflight update pauses the scheduler (keep mode: no abort, no cache clear) so per-token versions are
+  exact; running requests keep their KV cache, computed by the old weights (PipelineRL's staleness).
+- Prompts in flight at a checkpoint are skipped on resume, not replayed.
 
-Departures from the paper / open-instruct's grpo_fast.py, on purpose:
-- The off-policy bound `async_steps` K applies at admission, as PipelineRL and open-instruct run it:
-  an actor starts a prompt only once its weights are at most K versions older than the step that
-  will consume it (`admission_version`). A sample admitted within the bound is trained whatever
-  versions its later tokens came from (inflight updates make a long sample span several);
-  truncated importance sampling against vLLM's sampling logprobs corrects for the mixture. Every
-  token's policy version is recorded and the lags are logged (first-token, mean, max). Departure
-  kept as an option: `--max_token_lag N` also drops a group with any token more than N versions
-  old at consumption. Off by default, because that drop selects against long answers (a group ends
-  with its slowest sample): in a CPU benchmark it dropped 7-29 groups per 30 steps and shortened
-  the kept responses by 18%.
-- An inflight update briefly pauses the engine's scheduler (vLLM `pause_scheduler(mode="keep")`,
-  no abort, no cache clear) around the in-place `reload_weights`, so that vLLM's per-token weight
-  version labels are exact. Running requests keep their KV cache, which was computed by the old
-  weights: that staleness is part of the method (PipelineRL) and the lag metrics count it.
-- Prompts are sampled by learner 0 (checkpointed position); prompts in flight at a checkpoint are
-  skipped on resume, not replayed.
-- Scale (Olmo 3 7B think RL packs 2,048 + 32,768 = 35,840 tokens per learner row): the LM head and
-  log-softmax run over chunks of `--logprob_chunk_size` tokens, recomputed in backward, so no
-  (T, vocab) logits tensor exists; packed rows are separated by restarting position ids (varlen
-  flash attention on GPU), never by a hand-built (T, T) mask; bf16 compute with fp32 master weights
-  on GPU (`--bf16`); `--gradient_checkpointing`; and a memory plan is printed (and checked against
-  the device) before the model loads.
-- `--response_length_sampler exponential` is a BENCHMARK-ONLY knob: it draws each request's
-  `max_tokens` from a capped exponential and sets `ignore_eos`, so response lengths are long-tailed
-  (the paper's mean/max ~0.46) even for a random model. Never use it to train.
+Reading order: Args; the algorithm (advantages, filter, active sampling, admission gate, loss); packing and
+the chunked LM head; the actor; learner 0's link and prompt dispatcher; the learner and its loop; `main`;
+then plumbing (weight transfer, messages, the cost model, CPU pinning, metrics, checkpoints).
 
-Launch (defaults are Olmo 3 / open-instruct grpo_fast values unless a comment says otherwise):
-
-    # tiny CPU run on the toy model (python toy.py model toy_model; python toy.py data toy_data)
+    # CPU, the toy model (python toy.py model toy_model; python toy.py data toy_data); README has the rest
     VLLM_CPU_KVCACHE_SPACE=1 python grpo.py --model_name_or_path toy_sft --output_dir out/grpo_toy \\
         --dataset_mixer_list toy_data/rlvr.jsonl 1.0 --eval_dataset_mixer_list toy_data/eval.jsonl 64 \\
         --learning_rate 3e-5 --num_training_steps 24 --eval_every 12 --num_unique_prompts_per_step 8 \\
         --num_samples_per_prompt 8 --max_prompt_length 128 --max_response_length 64 --pack_length 1024 \\
         --max_num_seqs 32 --enforce_eager
-    # same, one learner rank and one actor rank
-    VLLM_CPU_KVCACHE_SPACE=1 torchrun --nproc-per-node 2 grpo.py ...same flags... --num_learners 1
-    # one GPU: the actor thread and the learner share it (set --vllm_gpu_memory_utilization 0.3)
-    python grpo.py --model_name_or_path allenai/Olmo-3-7B-Think-DPO --dataset_mixer_list ... 1.0
-    # 8 GPUs on one node: 4 learners (FSDP2) + 4 actors
-    torchrun --nproc-per-node 8 grpo.py --num_learners 4 ...
-    # two nodes (the paper's Table 23 benchmark layout: one learner node, one actor node)
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        grpo.py --num_learners 8 ...
+    # 8 GPUs: 4 learners (FSDP2) + 4 engines; two nodes: add --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST
+    torchrun --nproc-per-node 8 grpo.py --num_learners 4 --model_name_or_path allenai/Olmo-3-7B-Think-DPO ...
 
-Outputs in `output_dir`: metrics.jsonl (one dict per step and per evaluation), summary.json (run
-totals for bench_infra.sh), checkpoints/step_N (HF model + tokenizer + training_state.pt; fsynced,
-`checkpoints/latest` names the newest, the newest --keep_last_n_checkpoints stay), and wandb when
-`--report_to wandb` (wandb's own mode: online when logged in, else offline; WANDB_MODE overrides).
-The final model is also written to `output_dir` itself in the HF layout (bf16 when training in bf16),
-like sft.py and dpo.py, so the next stage or an evaluation points at `output_dir`.
+Outputs in `output_dir`: the final model (HF layout), metrics.jsonl, summary.json, checkpoints/step_N.
 """
 
 from __future__ import annotations
@@ -95,6 +44,7 @@ import copy
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -123,9 +73,10 @@ try:
                                                               NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 except ImportError:  # the learner alone (bench_learner.py on a GPU machine without vLLM) imports this file too
-    WeightTransferEngineFactory = None
+    WeightTransferEngineFactory = WeightTransferTrainerFactory = None
     NCCLTrainerInitInfo = NCCLTrainerWeightTransferEngine = NCCLWeightTransferEngine = WeightSource = object
     NCCLWeightTransferInitInfo = object
+
 
 
 @dataclass
@@ -259,189 +210,9 @@ class Args:
     response_length_mean: int = field(default=0, metadata={"help": "Benchmark only: that exponential's mean."})
 
 
-# Flags of open-instruct's Olmo 3 RL launch scripts (scripts/train/olmo3/7b_*_rl.sh, grpo_fast.py) that this
-# script does not take, with what to use instead; chat_template.COMMON_UNSUPPORTED_FLAGS adds the ones all
-# stages refuse. A `(values, message)` entry is taken when its values ask for what grpo.py does anyway.
-# open-instruct's names of the options we share are aliases in `Args` (see --help).
-UNSUPPORTED_FLAGS = {
-    "total_episodes": "use --num_training_steps: episodes = steps x num_unique_prompts_per_step x "
-                      "num_samples_per_prompt (Olmo 3 7B Think: 10000000 / (64 x 8) = 19531 steps)",
-    # sft.py / dpo.py names; not aliases: -1 (no limit there) and 0 (eval only at the ends there) differ here.
-    **dict.fromkeys(("max_steps", "max_train_steps"),
-                    "use --num_training_steps: learner steps, each one rollout batch (sft.py / dpo.py call their "
-                    "optimizer steps --max_steps; here --num_mini_batches optimizer steps make one learner step)"),
-    "eval_steps": "use --eval_every N: evaluates before step 0, every N steps and after the last (0: never; "
-                  "dpo.py's --eval_steps 0 still evaluates before and after)",
-    "num_learners_per_node": "use --num_learners, the total over nodes (8 8 -> 16): torchrun ranks "
-                             "[0, num_learners) learn, the others run one vLLM engine each",
-    "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
-                        "(engines = world size - num_learners)",
-    "weight_dir": "not needed any more: weight updates stream from learner 0 straight into the engines' workers; "
-                  "nothing is staged on disk or in /dev/shm",
-    "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
-    "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
-    "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),
-    "max_token_length": "not needed here: prompts are limited by --max_prompt_length, responses by "
-                        "--max_response_length",
-    "non_stop_penalty": ({"false"}, "not supported: a response cut at --max_response_length keeps its verifier "
-                                    "reward (Olmo 3: False)"),
-    "non_stop_penalty_value": "not supported (see --non_stop_penalty)",
-    "mask_truncated_completions": ({"false"}, "not supported: truncated responses are trained like the others "
-                                              "(Olmo 3: False)"),
-    "ground_truths_key": ({"ground_truth"}, "rows must carry their label in `ground_truth`"),
-    "sft_messages_key": ({"messages"}, "rows must carry their prompt in `messages`"),
-    "apply_verifiable_reward": ({"", "true"}, "rewards always come from verifiers.py"),
-    "active_sampling": ({"", "true"}, "active sampling is always on"),
-    "no_resampling_pass_rate": "not supported: every prompt stays in the sampler's rotation",
-    "checkpoint_state_freq": "use --save_steps: every checkpoint holds the HF model and the whole training state",
-    "backend_timeout": "use --timeout_s (seconds)",
-    "allow_world_padding": ({"false"}, "batches are never padded to the world size"),
-    "use_fp8_kv_cache": ({"false"}, "the KV cache is kept in the model's dtype"),
-    "stop_strings": "not supported: generation stops at eos or --max_response_length",
-    "llm_judge_model": "set JUDGE_BASE_URL (an OpenAI-compatible endpoint, e.g. `vllm serve Qwen/Qwen3-32B`) and "
-                       "JUDGE_MODEL for verifiers.py's llm_judge",
-    "llm_judge_timeout": "not needed here: a row's whole scoring is bounded by --verifier_timeout (seconds)",
-    "llm_judge_max_tokens": "not needed here: verifiers.py's llm_judge asks for a JSON score of a few tokens",
-    "llm_judge_max_context_length": "not needed here: verifiers.py's llm_judge sends the first 8000 characters",
-    "code_api_url": "not needed here: code runs in verifiers.py's local sandbox",
-    "code_pass_rate_reward_threshold": "not supported: a code reward is the fraction of tests passed "
-                                       "(Olmo 3 used 0.99, all or nothing)",
-    "deepspeed_stage": "not needed here: with several learners FSDP2 shards the model by itself",
-}
-
 
 # -------------------------------------------------------------------------------------------------
-# Utilization math: FLOPs and bytes of a dense decoder, counted from first principles
-# -------------------------------------------------------------------------------------------------
-@dataclass
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    @classmethod
-    def from_config(cls, c):
-        heads = c.num_attention_heads
-        return cls(c.hidden_size, c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads,
-                   getattr(c, "head_dim", None) or c.hidden_size // heads, c.intermediate_size, c.vocab_size)
-
-    def matmul_params(self) -> int:
-        """Parameters of the per-layer matmuls (q, k, v, o and the gated MLP); no norms, no embeddings."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.layers * (h * q + 2 * h * kv + q * h + 3 * h * self.intermediate)
-
-    def kv_bytes_per_token(self, bytes_per_el: int) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_el  # K and V, every layer
-
-
-def forward_flops(s: ModelShape, num_tokens: int, attended_sum: int, num_sampled: int) -> int:
-    """2 x matmul params per token, 4 x layers x heads x head_dim per (query, key) pair for QK^T and
-    AV, 2 x hidden x vocab per token that goes through the LM head (the sampled positions)."""
-    return (2 * s.matmul_params() * num_tokens + 4 * s.layers * s.heads * s.head_dim * attended_sum
-            + 2 * s.hidden * s.vocab * num_sampled)
-
-
-def prefill_cost(s: ModelShape, prompt_len: int, bytes_per_el: int, cached: int = 0) -> tuple[int, int]:
-    """(FLOPs, bytes other than weights) of a prefill: causal, so query i attends to i keys, sum =
-    p(p+1)/2 (about half of p^2); one sampled position; the prompt's KV is written. The first `cached`
-    tokens came from the prefix cache: only queries cached+1..p run (each still attends to every key
-    before it) and only their KV is written."""
-    p, c = prompt_len, cached
-    return forward_flops(s, p - c, (p * (p + 1) - c * (c + 1)) // 2, 1), (p - c) * s.kv_bytes_per_token(bytes_per_el)
-
-
-def decode_cost(s: ModelShape, context: int, bytes_per_el: int) -> tuple[int, int]:
-    """(FLOPs, bytes other than weights) of one decode token attending to `context` tokens (itself
-    included): reads context-1 cached tokens' KV and writes its own."""
-    return forward_flops(s, 1, context, 1), context * s.kv_bytes_per_token(bytes_per_el)
-
-
-def weight_bytes(s: ModelShape, bytes_per_el: int) -> int:
-    """Weights read by one forward pass: the matmuls and the LM head (embedding rows are gathered)."""
-    return (s.matmul_params() + s.hidden * s.vocab) * bytes_per_el
-
-
-def engine_step_cost(s: ModelShape, prefill_lens: list[int], decode_contexts: list[int], bytes_per_el: int,
-                     num_engine_steps: int = 1) -> tuple[int, int]:
-    """(FLOPs, bytes) of `num_engine_steps` engine steps that together ran these prefills and decode
-    tokens. A continuous batch shares one read of the weights per engine step across all running
-    sequences: weights are counted once per step, never once per sequence."""
-    flops = nbytes = 0
-    for p in prefill_lens:  # a length, or (length, tokens found in the prefix cache)
-        length, cached = p if isinstance(p, tuple) else (p, 0)
-        f, b = prefill_cost(s, length, bytes_per_el, cached)
-        flops, nbytes = flops + f, nbytes + b
-    for c in decode_contexts:
-        f, b = decode_cost(s, c, bytes_per_el)
-        flops, nbytes = flops + f, nbytes + b
-    if prefill_lens or decode_contexts:
-        nbytes += num_engine_steps * weight_bytes(s, bytes_per_el)
-    return flops, nbytes
-
-
-# name substring -> (peak dense bf16 FLOP/s, peak memory B/s), from the datasheets
-GPU_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
-
-
-def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
-    """(peak FLOP/s, peak memory B/s, their source) of one device as this process uses it.
-
-    Known GPUs: the datasheet. Otherwise measured with the threads this process runs on (so call it
-    after pinning): an fp32 1536^3 matmul and a 256 MiB copy (read + write), each the best of `reps`,
-    since a busy machine slows some repetitions and never speeds one up. A measured peak is still only a
-    lower bound of the true one; the stages raise it to any higher rate they achieve, so MFU <= 1.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (flops, bandwidth) in GPU_PEAKS.items():
-            if key in name:
-                return flops, bandwidth, f"datasheet bf16 dense peaks of {name}"
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def best_seconds(fn) -> float:
-        fn()  # warm up
-        times = []
-        for _ in range(reps):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    n = 1536
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    flops = 2 * n ** 3 / best_seconds(lambda: torch.mm(a, b))
-    x = torch.empty(64 * 2 ** 20, device=device)  # 256 MiB of fp32: larger than any cache
-    y = torch.empty_like(x)
-    bandwidth = 2 * x.numel() * 4 / best_seconds(lambda: y.copy_(x))
-    return flops, bandwidth, (f"measured on {device.type} with {torch.get_num_threads()} threads: fp32 {n}^3 matmul "
-                              f"and a 256 MiB copy, best of {reps}")
-
-
-def resolve_peaks(peak_flops: float, peak_bw: float, device: str = "cpu") -> tuple[float, float, str]:
-    """--peak_flops / --peak_memory_bandwidth when given (> 0), else measure_peaks for the missing ones."""
-    if peak_flops > 0 and peak_bw > 0:
-        return peak_flops, peak_bw, "given (--peak_flops, --peak_memory_bandwidth)"
-    f, b, src = measure_peaks(device)
-    return ((peak_flops if peak_flops > 0 else f), (peak_bw if peak_bw > 0 else b),
-            src + (" (one peak given)" if peak_flops > 0 or peak_bw > 0 else ""))
-
-
-def static_waste(lengths: list[int]) -> float:
-    """Compute wasted by a static batch: (max length - mean length) / max length (Olmo 3 sec 4.4)."""
-    if not lengths or max(lengths) == 0:
-        return 0.0
-    return (max(lengths) - sum(lengths) / len(lengths)) / max(lengths)
-
-
-# -------------------------------------------------------------------------------------------------
-# ALGORITHM: advantages, active sampling, off-policy bound, loss, packing
+# ALGORITHM (Olmo 3 sec 4.4): advantages, the zero-std filter, active sampling, the admission gate, the loss
 # -------------------------------------------------------------------------------------------------
 def compute_advantages(rewards: list[list[float]], normalization: str = "centered") -> list[list[float]]:
     """ALGORITHM: GRPO advantages per group: reward - group mean (Olmo 3: `centered`), or also divided
@@ -591,6 +362,10 @@ def grpo_loss(new_logprobs, old_logprobs, sampling_logprobs, advantages, mask, c
     return loss, stats
 
 
+
+# -------------------------------------------------------------------------------------------------
+# The learner's batches: packing rows, and their logprobs
+# -------------------------------------------------------------------------------------------------
 def pack_rows(rows: list[dict], pack_length: int) -> list[list[dict]]:
     """Pack rows (`prompt_ids` + `response_ids`) into bins of at most `pack_length` tokens,
     first-fit decreasing. Rows longer than `pack_length` get a bin of their own."""
@@ -705,477 +480,9 @@ def token_logprobs(model, batch: dict, temperature: float = 1.0, with_entropy: b
     return logprobs, entropy
 
 
-# -------------------------------------------------------------------------------------------------
-# PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
-# logits tensor, and a memory plan printed before anything loads
-# -------------------------------------------------------------------------------------------------
-class ChunkedLogprobs(torch.autograd.Function):
-    """Hidden states (N, H) and head weight (V, H) -> log p(target) (N,) and the entropy (N,) or None.
-
-    The logits exist one chunk of `chunk_size` tokens at a time: the forward keeps only its inputs and
-    each token's log-normalizer, and the backward recomputes each chunk's logits and turns them in place
-    into the gradient (softmax subtracted from the target's one-hot). Peak memory is one chunk x V fp32
-    tensor, never N x V: at 35,840 tokens and Olmo 3's 100,278-token vocabulary fp32 logits are 14 GB.
-    Matmuls run in autocast's dtype when autocast is on (bf16), softmax and its sums in fp32.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int, temperature: float, with_entropy: bool):
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        h, w = hidden.to(dtype), weight.to(dtype)
-        logprobs, norms = hidden.new_empty(len(h), dtype=torch.float32), hidden.new_empty(len(h), dtype=torch.float32)
-        entropy = hidden.new_empty(len(h), dtype=torch.float32) if with_entropy else None
-        for i in range(0, len(h), chunk_size):
-            logits = (h[i:i + chunk_size] @ w.T).float() / temperature  # (C, V)
-            norms[i:i + chunk_size] = norm = torch.logsumexp(logits, -1)
-            logprobs[i:i + chunk_size] = logits.gather(-1, targets[i:i + chunk_size, None])[:, 0] - norm
-            if with_entropy:  # H = log Z - sum p * logit, the sum as a batched dot product (no second (C, V))
-                probs = torch.softmax(logits, -1)
-                entropy[i:i + chunk_size] = norm - (probs[:, None, :] @ logits[:, :, None]).view(-1)
-        ctx.save_for_backward(h, w, targets, norms)
-        ctx.chunk_size, ctx.temperature, ctx.dtypes = chunk_size, temperature, (hidden.dtype, weight.dtype)
-        if with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        h, w, targets, norms = ctx.saved_tensors
-        step = ctx.chunk_size
-        grad_hidden, grad_weight = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for i in range(0, len(h), step):
-            g = grad_logprobs[i:i + step].float()
-            grad = (h[i:i + step] @ w.T).float().div_(ctx.temperature)  # the chunk's logits again (C, V)
-            grad.sub_(norms[i:i + step, None]).exp_().mul_(-g[:, None])  # d/dlogits of logp: one-hot - softmax
-            grad.scatter_add_(1, targets[i:i + step, None], g[:, None]).div_(ctx.temperature)
-            grad = grad.to(h.dtype)
-            grad_hidden[i:i + step] = grad @ w
-            grad_weight += (grad.T @ h[i:i + step]).float()
-        return grad_hidden.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None, None, None, None
-
-
-class ChunkedLogprobHead(torch.nn.Module):
-    """The LM head, swapped in for `model.lm_head`: returns each position's log-probability of its target
-    token (and, if asked, its entropy) through `ChunkedLogprobs` instead of the (B, T, V) logits.
-
-    It holds the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
-    precision and checkpoints are unchanged, and it runs inside the model's forward, where FSDP2 has
-    gathered the weight. With `targets` None it is the plain linear head (generation, saving).
-    """
-
-    def __init__(self, head: torch.nn.Linear, chunk_size: int):
-        super().__init__()
-        if head.bias is not None:
-            raise ValueError("the chunked LM head supports heads without a bias (every Olmo, Llama, Qwen)")
-        self.weight, self.chunk_size = head.weight, chunk_size
-        self.targets, self.temperature, self.with_entropy = None, 1.0, False
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, 1 or 2)
-        if self.targets is None:
-            return torch.nn.functional.linear(hidden, self.weight)
-        targets = self.targets.flatten().clamp(min=0)  # -100 (not trained) gathers any id; the caller masks it
-        logprobs, entropy = ChunkedLogprobs.apply(hidden.flatten(0, 1), self.weight, targets, self.chunk_size,
-                                                  self.temperature, self.with_entropy)
-        columns = [logprobs, entropy] if self.with_entropy else [logprobs]
-        return torch.stack([c.view(hidden.shape[:2]) for c in columns], -1)  # a new tensor, not a view
-
-
-def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
-    """Swap the model's LM head for a ChunkedLogprobHead (before FSDP2 or DDP wrap it)."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, ChunkedLogprobHead):
-        head = ChunkedLogprobHead(head, chunk_size)
-        model.set_output_embeddings(head)
-    return head
-
-
-def target_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, with_entropy: bool = False):
-    """log p(targets[b, t] | tokens <= t) (B, T) and the entropy (B, T) or None, through the chunked head.
-
-    Packed rows need no mask: with `attention_mask=None`, transformers turns position ids that restart
-    at 0 into a block-diagonal causal mask (masking_utils.find_packed_sequence_indices), and flash
-    attention into its variable-length kernel, so a segment never attends to the one before it.
-    """
-    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
-    if not isinstance(head, ChunkedLogprobHead):
-        raise TypeError("call install_chunked_head(model, chunk_size) before wrapping the model")
-    head.targets, head.temperature, head.with_entropy = targets, temperature, with_entropy
-    try:
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # (B, T, 1 or 2)
-    finally:
-        head.targets = None
-    return out[..., 0], (out[..., 1] if with_entropy else None)
-
-
-def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
-                chunk_size: int, trained: bool = True, flash_attention: bool = False,
-                fsdp: bool | None = None) -> dict[str, float]:
-    """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
-    built on the meta device to count its parameters). A planning estimate, not an allocator trace:
-    - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
-    - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
-      (`trained` False: LoRA, whose adapters are small enough to leave out);
-    - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
-      in flight, plus the root's embedding and head; `fsdp` defaults to num_shards > 1), 2 B per
-      parameter (fp32 FSDP2: 4 B);
-    - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
-      16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
-      norms and activation); with checkpointing only each layer's input (hidden values per token)
-      plus one layer's full set while it is recomputed;
-    - attention mask: flash attention needs none; sdpa on packed rows builds a dense (T, T) boolean;
-    - logits: `chunk_size` x vocab fp32 values, two live in a chunk's backward, plus the head's fp32
-      gradient accumulator (vocab x hidden).
-    """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in meta.parameters())  # a tied head is counted once
-    root = meta.get_input_embeddings().weight.numel()
-    if meta.get_output_embeddings().weight is not meta.get_input_embeddings().weight:
-        root += meta.get_output_embeddings().weight.numel()
-    layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
-    act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
-    layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
-    if (num_shards > 1 if fsdp is None else fsdp):
-        compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
-    else:
-        compute_copy = 2 * params if bf16 else 0
-    plan = {
-        "weights": 4 * params / num_shards,
-        "gradients": 4 * params / num_shards if trained else 0,
-        "optimizer": 8 * params / num_shards if trained else 0,
-        "compute_copy": compute_copy,
-        "activations": layers * tokens * hidden * act_bytes + layer_acts if checkpointing else layers * layer_acts,
-        "attention_mask": 0 if flash_attention else rows * row_tokens ** 2,
-        "logits_chunk": 2 * 4 * min(chunk_size, tokens) * config.vocab_size + 4 * config.vocab_size * hidden,
-    }
-    plan["total"] = sum(plan.values())
-    return plan
-
-
-def device_memory_bytes(device, local_world_size: int) -> int:
-    """What one rank may use: the GPU's memory, or on CPU the machine's RAM split over the node's ranks."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
-
-
-def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
-    """The plan as one line; stops the run before anything loads when it cannot fit the device."""
-    gib = 2 ** 30
-    line = (", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items())
-            + f" GiB per rank; {available / gib:.1f} GiB available")
-    if plan["total"] > available:
-        raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
-    return f"memory plan: {line}"
-
 
 # -------------------------------------------------------------------------------------------------
-# Plumbing: messages between roles (gloo point-to-point with timeouts), weight transport
-# -------------------------------------------------------------------------------------------------
-def _wait(work, timeout_s: float, what: str, abort=None):
-    """Wait for a gloo / NCCL op. `abort`, polled meanwhile, returns why to give up (an actor reported an
-    error) or None: a stream to an engine that died must not hold learner 0 for the whole timeout."""
-    deadline = time.monotonic() + timeout_s
-    while abort is not None and not work.is_completed() and time.monotonic() < deadline:
-        why = abort()
-        if why:
-            raise RuntimeError(f"{what} abandoned: {why}")
-        time.sleep(0.0005)
-    try:
-        work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    except Exception as e:  # gloo raises on timeout and when the peer's connection closes
-        raise RuntimeError(f"{what} failed (peer dead or no answer within {timeout_s:.0f}s): {e}") from e
-
-
-def send_obj(obj, dst: int, group, timeout_s: float):
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    _wait(dist.isend(torch.tensor([data.numel()]), dst, group=group), timeout_s, f"send to rank {dst}")
-    _wait(dist.isend(data, dst, group=group), timeout_s, f"send to rank {dst}")
-
-
-def recv_obj(src: int, group, timeout_s: float):
-    size = torch.zeros(1, dtype=torch.int64)
-    _wait(dist.irecv(size, src, group=group), timeout_s, f"receive from rank {src}")
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    _wait(dist.irecv(data, src, group=group), timeout_s, f"receive from rank {src}")
-    return pickle.loads(data.numpy().tobytes())
-
-
-def broadcast_obj(obj, src: int, group, timeout_s: float):
-    """Python object from `src` to every rank of `group` (callers other than src pass None)."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not None else None
-    size = torch.tensor([data.numel() if data is not None else 0])
-    _wait(dist.broadcast(size, src, group=group, async_op=True), timeout_s, "broadcast (size)")
-    if data is None:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    _wait(dist.broadcast(data, src, group=group, async_op=True), timeout_s, "broadcast")
-    return pickle.loads(data.numpy().tobytes())
-
-
-# vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
-# GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
-# pickled handles), ours: vLLM's NCCL engines with gloo's process group and broadcast in place of NCCL's.
-GLOO_BACKEND = "grpo_gloo"
-
-
-def weight_backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") and dist.is_initialized() else GLOO_BACKEND
-
-
-@dataclass(kw_only=True)
-class GlooInitInfo(NCCLWeightTransferInitInfo):
-    timeout_s: float = 1800.0
-
-
-@dataclass
-class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
-    backend: ClassVar[str] = GLOO_BACKEND
-    timeout_s: float = 1800.0
-
-
-class GlooWeightTransferEngine(NCCLWeightTransferEngine):
-    """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
-    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
-    A thread receives each bucket as learner 0 sends it, while the engine generates (NCCL's receive waits for the
-    engine's next step: the learner waited 2x longer in a toy run); at most two wait for update_weights."""
-    init_info_cls = GlooInitInfo
-
-    def init_transfer_engine(self, info: GlooInitInfo) -> None:
-        self.timeout = datetime.timedelta(seconds=info.timeout_s)
-        self.packed_buffer_size_bytes, self.inbox = info.packed_buffer_size_bytes, queue.Queue(maxsize=1)
-        store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
-        self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
-                                          self.timeout)
-        threading.Thread(target=self._receive, daemon=True).start()
-
-    def _receive(self) -> None:
-        try:  # every bucket: its size, then its bytes; an error ends the thread and fails the next update
-            while True:
-                size = torch.zeros(1, dtype=torch.int64)
-                self.gloo.broadcast([size], dist.BroadcastOptions()).wait(self.timeout)
-                flat = torch.empty(int(size.item()), dtype=torch.uint8)
-                self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
-                self.inbox.put(flat)
-        except Exception as e:
-            self.inbox.put(e)
-
-    def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
-        self.receive_weights(self.parse_update_info(update_info))
-
-    def receive_weights(self, update) -> None:
-        """Bucket by bucket as the sender cut them (vLLM's pack_tensors, run here on meta tensors of the announced
-        shapes); each is checked, then loaded (load_weights: a tensor-parallel worker takes its shard)."""
-        metas = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
-                 for n, d, s in zip(update.names, update.dtype_names, update.shapes))
-        while (plan := pack_tensors(metas, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
-            try:
-                flat = self.inbox.get(timeout=self.timeout.total_seconds())
-            except queue.Empty:
-                raise TimeoutError(f"weight stream: no bucket from learner 0 within {self.timeout}") from None
-            if isinstance(flat, Exception):
-                raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
-            if flat.numel() != plan.packed_tensor.numel():
-                raise ValueError(f"weight stream: a bucket of {flat.numel()} bytes where {plan.names[0]} .. "
-                                 f"{plan.names[-1]} take {plan.packed_tensor.numel()}")
-            weights = unpack_tensor(flat, plan.names, plan.shapes, plan.dtypes, plan.tensor_sizes)
-            if not all(torch.isfinite(w).all() for _, w in weights):
-                raise ValueError(f"weight stream: non-finite values in {plan.names[0]} .. {plan.names[-1]}")
-            self.model.load_weights(weights)
-
-
-class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
-    """Learner 0's end of our gloo backend: vLLM's NCCL trainer engine (its send_weights makes the four calls and
-    checks the source against its metadata), its group and broadcast gloo's; the other learners only iterate."""
-    init_info_cls = GlooTrainerInitInfo
-
-    @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
-        engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
-        if engine.is_sender:
-            store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
-                                  timeout=engine.timeout)
-            info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
-                                world_size=init_info.world_size, timeout_s=init_info.timeout_s,
-                                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
-            with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
-                joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
-                engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
-                joined.result()
-        return engine
-
-    def _broadcast(self, source, meta) -> None:
-        if not self.is_sender:
-            return super()._broadcast(source, meta)
-        pairs = self._checked_iter(source, meta)
-        while (chunk := pack_tensors(pairs, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
-            for tensor in (torch.tensor([chunk.packed_tensor.numel()]), chunk.packed_tensor.cpu()):
-                self.gloo.broadcast([tensor], dist.BroadcastOptions()).wait(self.timeout)
-
-
-_OUR_ENGINES = (((WeightTransferEngineFactory, GlooWeightTransferEngine),
-                 (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)) if WeightTransferEngineFactory else ())
-for _factory, _engine in _OUR_ENGINES:
-    with contextlib.suppress(ValueError):  # registered already: a forked vLLM process inherits its parent's registry
-        _factory.register_engine(GLOO_BACKEND, _engine)
-
-
-class WireWeights(WeightSource):
-    """The state dict in the training dtype, one full tensor at a time (FSDP2: each shard cast, then gathered, just
-    before it goes; every learner iterates, in order). `seconds`: the time spent producing them (the gather)."""
-
-    def __init__(self, model, dtype):
-        self.model, self.dtype, self.seconds = model, dtype, 0.0
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(k, self.dtype, tuple(v.shape)) for k, v in self.model.state_dict().items()]
-
-    def __iter__(self):
-        for name, v in self.model.state_dict().items():
-            t = time.perf_counter()
-            tensor = materialize_full_tensor(v.detach().to(self.dtype))
-            self.seconds += time.perf_counter() - t
-            yield name, tensor
-
-
-class WorkerExtension:
-    """Methods vLLM adds to each of its workers (`worker_extension_cls`, imported there by name, so nothing is pickled
-    into a worker; the import also registers our gloo backend before the worker builds its engine)."""
-
-    def grpo_watch_owner(self, owner_pid: int) -> None:
-        """vLLM's engine processes outlive a frontend killed with SIGKILL: a thread here takes the engine core (this
-        worker's parent) and the worker down once the process that owns the engine is gone."""
-        engine_core = os.getppid()
-
-        def watch():
-            while True:
-                time.sleep(1.0)
-                try:
-                    os.kill(owner_pid, 0)
-                except ProcessLookupError:
-                    # Only while the engine core is still our parent: once it is gone this process has
-                    # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
-                    if os.getppid() == engine_core:
-                        os.kill(engine_core, signal.SIGKILL)
-                    os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
-        # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor. A
-        # rotary embedding has none (its cos/sin cache comes from the config): that warning meant nothing.
-        import logging
-
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda r: not (str(r.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(r.args)))
-
-
-def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
-    """This rank's contiguous share of the node's cores (the first ranks get one more when they do not
-    divide evenly); None when there are fewer cores than ranks (then nothing is pinned)."""
-    if local_world_size < 2 or len(cores) < local_world_size:
-        return None
-    base, extra = divmod(len(cores), local_world_size)
-    start = local_rank * base + min(local_rank, extra)
-    return cores[start:start + base + (local_rank < extra)]
-
-
-def omp_bind(cores: list[int], tensor_parallel: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for an engine of `tensor_parallel` workers on `cores`: each worker its own share
-    ("0|1"), or every worker all of them when there are fewer cores than workers."""
-    return "|".join(",".join(map(str, split_cores(cores, i, tensor_parallel) or cores)) for i in range(tensor_parallel))
-
-
-def pin_cpu_cores(local_rank: int, is_actor: bool, tensor_parallel: int = 1) -> list[int] | None:
-    """CPU torchrun runs: this rank's share of the cores. Measured on 2 cores, 1 learner + 1 actor:
-    unpinned, vLLM's engine-core process spins on sched_yield while its worker computes, the two take
-    both cores, and the learner's step ran 5-17x slower than alone; pinned, the learner runs at its
-    solo speed and the engine generates as fast on its one core as it did on two. A learner pins
-    itself now, before gloo starts threads (they inherit it). An actor only tells vLLM's worker where
-    to bind its OpenMP threads, and pins itself and vLLM's processes once the engine is up
-    (pin_process_tree): the engine's start (two processes importing and loading) took 43 s on one
-    core against 32 s unpinned, while the learner waits for it anyway."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    mine = (split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world)
-            if hasattr(os, "sched_setaffinity") else None)
-    if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
-        return None  # too few cores to split, or the user binds vLLM's threads themselves
-    if is_actor:  # vLLM's "auto" binding would hold one core back for its scheduler
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(mine, tensor_parallel)
-    else:
-        os.sched_setaffinity(0, mine)
-    return mine
-
-
-def pin_threads(processes: list, cores: list[int]):
-    """Pin every thread of these psutil processes to `cores`, but for those bound within them already (a
-    tensor-parallel engine's workers, each to its share: omp_bind)."""
-    import psutil  # a vLLM dependency
-
-    for proc in processes:
-        with contextlib.suppress(psutil.Error, OSError):  # a thread or process may end meanwhile
-            for th in proc.threads():
-                with contextlib.suppress(OSError):
-                    if not os.sched_getaffinity(th.id) <= set(cores):
-                        os.sched_setaffinity(th.id, cores)
-
-
-def pin_process_tree(cores: list[int]):
-    """Pin every thread of this process and of its descendants (vLLM's engine core and worker)."""
-    import psutil
-
-    me = psutil.Process()
-    pin_threads([me, *me.children(recursive=True)], cores)
-
-
-def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Actor":
-    """`python grpo.py`: the actor in a thread of the learner's process, its vLLM engine in processes of
-    its own. On CPU (--cpu_affinity) the learner and the engine each get half of the cores, as torchrun
-    ranks do: unpinned, the engine's busy-polling processes took CPU from the learner (its step ran
-    1.6x slower than in the two-process run). Threads are set before vLLM starts: it then makes
-    torch.set_num_threads a no-op in this process."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-    mine, engine = split_cores(cores, 0, 2), split_cores(cores, 1, 2)
-    pin = device == "cpu" and args.cpu_affinity and mine and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if pin:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(engine, args.vllm_tensor_parallel_size)
-        torch.set_num_threads(len(mine))
-    actor = Actor(args, model_path, 0, emit, device, 1)
-    if pin:
-        import psutil
-
-        me = psutil.Process()
-        pin_threads([me], mine)  # the learner and the actor thread
-        pin_threads(me.children(recursive=True), engine)  # vLLM's engine core and worker
-        print(f"[grpo] colocated: learner on CPU cores {mine}, vLLM engine on {engine}", flush=True)
-    return actor
-
-
-def engine_gpus(rank: int, local_rank: int, local_world: int, num_learners: int, tp: int,
-                device_count: int) -> tuple[int, str]:
-    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. torchrun numbers
-    ranks node by node, so a node's learner ranks come first and take its first GPUs, one each; its actor
-    ranks follow and each takes the next `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
-    local_learners = min(max(num_learners - (rank - local_rank), 0), local_world)
-    first = local_learners + (local_rank - local_learners) * tp
-    need = local_learners + (local_world - local_learners) * tp
-    if need > device_count:
-        raise SystemExit(f"this node has {device_count} GPUs, but its {local_learners} learner rank(s) and "
-                         f"{local_world - local_learners} engine(s) of --vllm_tensor_parallel_size {tp} need {need}: "
-                         "run torchrun --nproc-per-node = learners + engines on the node")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = visible.split(",") if visible else [str(i) for i in range(device_count)]
-    return first, ",".join(physical[first:first + tp])
-
-
-TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID"]
-
-
-# -------------------------------------------------------------------------------------------------
-# Plumbing: the actor. One vLLM engine, kept full; finished groups go out as soon as they finish.
+# The actor: one vLLM engine kept full (continuous batching), weights loaded between two steps (inflight updates)
 # -------------------------------------------------------------------------------------------------
 class Actor:
     """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (weight update headers:
@@ -1490,6 +797,19 @@ class Actor:
             self.engine.engine_core.shutdown()
 
 
+def kill_stalled_engine(rank: int, actor_id: int, busy: float, timeout_s: float) -> str:
+    """Say which engine stopped answering, and kill its processes (a stopped one ignores anything gentler, and its
+    own owner watch cannot run): they must not outlive this actor rank."""
+    import psutil  # a vLLM dependency
+
+    engine = [p.pid for p in psutil.Process().children(recursive=True)]
+    for pid in engine:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return (f"actor rank {rank} (actor {actor_id}): its vLLM engine (processes {engine}, now killed) did not finish "
+            f"a call in {busy:.0f}s (--timeout_s {timeout_s:.0f}): stopped, hung or starved")
+
+
 def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: str, model_path: str,
                    cores: list[int] | None = None, gpus: str | None = None):
     """An actor rank: threads move prompts in, groups out, and learner 0's weight-transfer calls in over gloo (the
@@ -1540,18 +860,6 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
             for call in msg:
                 actor.updates.put(call)
 
-    def stalled_engine(busy: float) -> str:
-        """Say which engine stopped answering, and kill its processes (a stopped one ignores anything
-        gentler, and its own owner watch cannot run): they must not outlive this rank."""
-        import psutil  # a vLLM dependency
-
-        engine = [p.pid for p in psutil.Process().children(recursive=True)]
-        for pid in engine:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        return (f"actor rank {rank} (actor {actor.actor_id}): its vLLM engine (processes {engine}, now killed) did "
-                f"not finish a call in {busy:.0f}s (--timeout_s {args.timeout_s:.0f}): stopped, hung or starved")
-
     def watchdog():
         """The engine loop blocks inside vLLM while the engine process does not answer, and nothing else
         would ever end it: after --timeout_s in one engine call, or 5 s after a link thread failed while
@@ -1561,7 +869,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
             since = actor.busy_since
             busy = time.monotonic() - since if since is not None else 0.0
             if busy > args.timeout_s or (errors and busy > 5.0):
-                what = stalled_engine(busy) + (f"; and {errors[0]}" if errors else "")
+                what = kill_stalled_engine(rank, actor.actor_id, busy, args.timeout_s) + (
+                    f"; and {errors[0]}" if errors else "")
                 print(f"[actor rank {rank}] FATAL: {what}", file=sys.stderr, flush=True)
                 if threads[1].is_alive():  # the data thread owns the link to learner 0: it sends the error
                     outbox.put({"error": what})
@@ -1579,8 +888,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     except KeyboardInterrupt as e:  # torchrun stops this rank (learner 0 failed), maybe mid engine call
         since = actor.busy_since
         if since is not None and time.monotonic() - since > 5.0:
-            print(f"[actor rank {rank}] FATAL: interrupted ({e}); {stalled_engine(time.monotonic() - since)}",
-                  file=sys.stderr, flush=True)
+            why = kill_stalled_engine(rank, actor.actor_id, time.monotonic() - since, args.timeout_s)
+            print(f"[actor rank {rank}] FATAL: interrupted ({e}); {why}", file=sys.stderr, flush=True)
         raise
     except Exception as e:
         errors.append(e)
@@ -1597,8 +906,32 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     actor.shutdown()
 
 
+def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Actor":
+    """`python grpo.py`: the actor in a thread of the learner's process, its vLLM engine in processes of
+    its own. On CPU (--cpu_affinity) the learner and the engine each get half of the cores, as torchrun
+    ranks do: unpinned, the engine's busy-polling processes took CPU from the learner (its step ran
+    1.6x slower than in the two-process run). Threads are set before vLLM starts: it then makes
+    torch.set_num_threads a no-op in this process."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    mine, engine = split_cores(cores, 0, 2), split_cores(cores, 1, 2)
+    pin = device == "cpu" and args.cpu_affinity and mine and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if pin:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(engine, args.vllm_tensor_parallel_size)
+        torch.set_num_threads(len(mine))
+    actor = Actor(args, model_path, 0, emit, device, 1)
+    if pin:
+        import psutil
+
+        me = psutil.Process()
+        pin_threads([me], mine)  # the learner and the actor thread
+        pin_threads(me.children(recursive=True), engine)  # vLLM's engine core and worker
+        print(f"[grpo] colocated: learner on CPU cores {mine}, vLLM engine on {engine}", flush=True)
+    return actor
+
+
+
 # -------------------------------------------------------------------------------------------------
-# Plumbing: learner 0's side of the link (same interface in both modes)
+# Learner 0's side: the link to the actors (vLLM's weight-sync client) and the prompt dispatcher
 # -------------------------------------------------------------------------------------------------
 class Link:
     """Learner 0's view of the actors: `send_prompts(actor, list)`, a `results` queue of messages
@@ -1836,8 +1169,9 @@ class Dispatcher(threading.Thread):
             self.error = e
 
 
+
 # -------------------------------------------------------------------------------------------------
-# The learner: its model, the rollout stream it trains on, one step, the loop
+# The learner: setup, one step, the loop
 # -------------------------------------------------------------------------------------------------
 def check_rlvr_rows(dataset, flag: str, limit: int = 20, allow_unsandboxed_code: bool = False) -> None:
     """Stop before any training on rows that can never earn a reward, naming each by file and line: no
@@ -2478,9 +1812,7 @@ def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, po
         local_actor.shutdown()
 
 
-# -------------------------------------------------------------------------------------------------
-# main
-# -------------------------------------------------------------------------------------------------
+
 def main():
     import chat_template
 
@@ -2563,8 +1895,611 @@ def main():
     os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
 
 
+
 # -------------------------------------------------------------------------------------------------
-# Plumbing: logging, checkpoints, summary, learner collectives
+# PLUMBING: weight transfer through vLLM's engine (vLLM's nccl on GPU, our gloo backend on CPU)
+# -------------------------------------------------------------------------------------------------
+# vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
+# GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
+# pickled handles), ours: vLLM's NCCL engines with gloo's process group and broadcast in place of NCCL's.
+GLOO_BACKEND = "grpo_gloo"
+
+
+def weight_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") and dist.is_initialized() else GLOO_BACKEND
+
+
+@dataclass(kw_only=True)
+class GlooInitInfo(NCCLWeightTransferInitInfo):
+    timeout_s: float = 1800.0
+    bucket_bytes: list[int] = field(default_factory=list)  # each update's buckets, in order: fixed for the run
+
+
+@dataclass
+class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
+    backend: ClassVar[str] = GLOO_BACKEND
+    timeout_s: float = 1800.0
+
+
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
+    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
+    A thread receives each bucket as learner 0 sends it, while the engine generates (NCCL's receive waits for the
+    engine's next step: the learner waited 2x longer in a toy run); at most two wait for update_weights."""
+    init_info_cls = GlooInitInfo
+
+    def init_transfer_engine(self, info: GlooInitInfo) -> None:
+        self.timeout = datetime.timedelta(seconds=info.timeout_s)
+        self.packed_buffer_size_bytes, self.inbox = info.packed_buffer_size_bytes, queue.Queue(maxsize=1)
+        self.bucket_bytes = info.bucket_bytes
+        store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
+        self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
+                                          self.timeout)
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _receive(self) -> None:
+        try:  # update after update, its buckets in order; an error ends the thread and fails the next update
+            for size in itertools.cycle(self.bucket_bytes):
+                flat = torch.empty(size, dtype=torch.uint8)
+                self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
+                self.inbox.put(flat)
+        except Exception as e:
+            self.inbox.put(e)
+
+    def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update) -> None:
+        """Bucket by bucket as the sender cut them (vLLM's pack_tensors, run here on meta tensors of the announced
+        shapes); each is checked, then loaded (load_weights: a tensor-parallel worker takes its shard)."""
+        metas = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
+                 for n, d, s in zip(update.names, update.dtype_names, update.shapes))
+        while (plan := pack_tensors(metas, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
+            try:
+                flat = self.inbox.get(timeout=self.timeout.total_seconds())
+            except queue.Empty:
+                raise TimeoutError(f"weight stream: no bucket from learner 0 within {self.timeout}") from None
+            if isinstance(flat, Exception):
+                raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
+            if flat.numel() != plan.packed_tensor.numel():
+                raise ValueError(f"weight stream: a bucket of {flat.numel()} bytes where {plan.names[0]} .. "
+                                 f"{plan.names[-1]} take {plan.packed_tensor.numel()}")
+            weights = unpack_tensor(flat, plan.names, plan.shapes, plan.dtypes, plan.tensor_sizes)
+            if not all(torch.isfinite(w).all() for _, w in weights):
+                raise ValueError(f"weight stream: non-finite values in {plan.names[0]} .. {plan.names[-1]}")
+            self.model.load_weights(weights)
+
+
+class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """Learner 0's end of our gloo backend: vLLM's NCCL trainer engine (its send_weights makes the four calls and
+    checks the source against its metadata), its group and broadcast gloo's; the other learners only iterate."""
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+        engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
+        if engine.is_sender:
+            store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
+                                  timeout=engine.timeout)
+            metas = ((m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in source.metadata())
+            sizes = iter(lambda: pack_tensors(metas, lambda item: item[1], init_info.packed_buffer_size_bytes), None)
+            info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
+                                world_size=init_info.world_size, timeout_s=init_info.timeout_s,
+                                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+                                bucket_bytes=[chunk.packed_tensor.numel() for chunk in sizes])
+            with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
+                joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
+                engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
+                joined.result()
+        return engine
+
+    def _broadcast(self, source, meta) -> None:
+        if not self.is_sender:
+            return super()._broadcast(source, meta)
+        pairs = self._checked_iter(source, meta)
+        while (chunk := pack_tensors(pairs, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
+            self.gloo.broadcast([chunk.packed_tensor.cpu()], dist.BroadcastOptions()).wait(self.timeout)
+
+
+_OUR_ENGINES = ((WeightTransferEngineFactory, GlooWeightTransferEngine),
+                (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine))
+
+
+for _factory, _engine in _OUR_ENGINES if WeightTransferEngineFactory else ():
+    with contextlib.suppress(ValueError):  # registered already: a forked vLLM process inherits its parent's registry
+        _factory.register_engine(GLOO_BACKEND, _engine)
+
+
+class WireWeights(WeightSource):
+    """The state dict in the training dtype, one full tensor at a time (FSDP2: each shard cast, then gathered, just
+    before it goes; every learner iterates, in order). `seconds`: the time spent producing them (the gather)."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype, self.seconds = model, dtype, 0.0
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(k, self.dtype, tuple(v.shape)) for k, v in self.model.state_dict().items()]
+
+    def __iter__(self):
+        for name, v in self.model.state_dict().items():
+            t = time.perf_counter()
+            tensor = materialize_full_tensor(v.detach().to(self.dtype))
+            self.seconds += time.perf_counter() - t
+            yield name, tensor
+
+
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (`worker_extension_cls`, imported there by name, so nothing is pickled
+    into a worker; the import also registers our gloo backend before the worker builds its engine)."""
+
+    def grpo_watch_owner(self, owner_pid: int) -> None:
+        """vLLM's engine processes outlive a frontend killed with SIGKILL: a thread here takes the engine core (this
+        worker's parent) and the worker down once the process that owns the engine is gone."""
+        engine_core = os.getppid()
+
+        def watch():
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(owner_pid, 0)
+                except ProcessLookupError:
+                    # Only while the engine core is still our parent: once it is gone this process has
+                    # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
+                    if os.getppid() == engine_core:
+                        os.kill(engine_core, signal.SIGKILL)
+                    os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+        # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor. A
+        # rotary embedding has none (its cos/sin cache comes from the config): that warning meant nothing.
+        import logging
+
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda r: not (str(r.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(r.args)))
+
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING: messages between roles (gloo point-to-point with timeouts)
+# -------------------------------------------------------------------------------------------------
+def _wait(work, timeout_s: float, what: str, abort=None):
+    """Wait for a gloo / NCCL op. `abort`, polled meanwhile, returns why to give up (an actor reported an
+    error) or None: a stream to an engine that died must not hold learner 0 for the whole timeout."""
+    deadline = time.monotonic() + timeout_s
+    while abort is not None and not work.is_completed() and time.monotonic() < deadline:
+        why = abort()
+        if why:
+            raise RuntimeError(f"{what} abandoned: {why}")
+        time.sleep(0.0005)
+    try:
+        work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except Exception as e:  # gloo raises on timeout and when the peer's connection closes
+        raise RuntimeError(f"{what} failed (peer dead or no answer within {timeout_s:.0f}s): {e}") from e
+
+
+def send_obj(obj, dst: int, group, timeout_s: float):
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    _wait(dist.isend(torch.tensor([data.numel()]), dst, group=group), timeout_s, f"send to rank {dst}")
+    _wait(dist.isend(data, dst, group=group), timeout_s, f"send to rank {dst}")
+
+
+def recv_obj(src: int, group, timeout_s: float):
+    size = torch.zeros(1, dtype=torch.int64)
+    _wait(dist.irecv(size, src, group=group), timeout_s, f"receive from rank {src}")
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.irecv(data, src, group=group), timeout_s, f"receive from rank {src}")
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_obj(obj, src: int, group, timeout_s: float):
+    """Python object from `src` to every rank of `group` (callers other than src pass None)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not None else None
+    size = torch.tensor([data.numel() if data is not None else 0])
+    _wait(dist.broadcast(size, src, group=group, async_op=True), timeout_s, "broadcast (size)")
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.broadcast(data, src, group=group, async_op=True), timeout_s, "broadcast")
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_list(obj, group, timeout_s, gather=False):
+    """Among learners (rank 0 is the source). gather=True: every learner's list, concatenated."""
+    if gather:
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return [x for o in out for x in o]
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities without the (T, V)
+# logits tensor, and a memory plan printed before anything loads
+# -------------------------------------------------------------------------------------------------
+class ChunkedLogprobs(torch.autograd.Function):
+    """Hidden states (N, H) and head weight (V, H) -> log p(target) (N,) and the entropy (N,) or None.
+
+    The logits exist one chunk of `chunk_size` tokens at a time: the forward keeps only its inputs and
+    each token's log-normalizer, and the backward recomputes each chunk's logits and turns them in place
+    into the gradient (softmax subtracted from the target's one-hot). Peak memory is one chunk x V fp32
+    tensor, never N x V: at 35,840 tokens and Olmo 3's 100,278-token vocabulary fp32 logits are 14 GB.
+    Matmuls run in autocast's dtype when autocast is on (bf16), softmax and its sums in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, temperature: float, with_entropy: bool):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        h, w = hidden.to(dtype), weight.to(dtype)
+        logprobs, norms = hidden.new_empty(len(h), dtype=torch.float32), hidden.new_empty(len(h), dtype=torch.float32)
+        entropy = hidden.new_empty(len(h), dtype=torch.float32) if with_entropy else None
+        for i in range(0, len(h), chunk_size):
+            logits = (h[i:i + chunk_size] @ w.T).float() / temperature  # (C, V)
+            norms[i:i + chunk_size] = norm = torch.logsumexp(logits, -1)
+            logprobs[i:i + chunk_size] = logits.gather(-1, targets[i:i + chunk_size, None])[:, 0] - norm
+            if with_entropy:  # H = log Z - sum p * logit, the sum as a batched dot product (no second (C, V))
+                probs = torch.softmax(logits, -1)
+                entropy[i:i + chunk_size] = norm - (probs[:, None, :] @ logits[:, :, None]).view(-1)
+        ctx.save_for_backward(h, w, targets, norms)
+        ctx.chunk_size, ctx.temperature, ctx.dtypes = chunk_size, temperature, (hidden.dtype, weight.dtype)
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        h, w, targets, norms = ctx.saved_tensors
+        step = ctx.chunk_size
+        grad_hidden, grad_weight = torch.empty_like(h), torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for i in range(0, len(h), step):
+            g = grad_logprobs[i:i + step].float()
+            grad = (h[i:i + step] @ w.T).float().div_(ctx.temperature)  # the chunk's logits again (C, V)
+            grad.sub_(norms[i:i + step, None]).exp_().mul_(-g[:, None])  # d/dlogits of logp: one-hot - softmax
+            grad.scatter_add_(1, targets[i:i + step, None], g[:, None]).div_(ctx.temperature)
+            grad = grad.to(h.dtype)
+            grad_hidden[i:i + step] = grad @ w
+            grad_weight += (grad.T @ h[i:i + step]).float()
+        return grad_hidden.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None, None, None, None
+
+
+class ChunkedLogprobHead(torch.nn.Module):
+    """The LM head, swapped in for `model.lm_head`: returns each position's log-probability of its target
+    token (and, if asked, its entropy) through `ChunkedLogprobs` instead of the (B, T, V) logits.
+
+    It holds the head's own weight Parameter, so parameter names (`lm_head.weight`), FSDP2 sharding, mixed
+    precision and checkpoints are unchanged, and it runs inside the model's forward, where FSDP2 has
+    gathered the weight. With `targets` None it is the plain linear head (generation, saving).
+    """
+
+    def __init__(self, head: torch.nn.Linear, chunk_size: int):
+        super().__init__()
+        if head.bias is not None:
+            raise ValueError("the chunked LM head supports heads without a bias (every Olmo, Llama, Qwen)")
+        self.weight, self.chunk_size = head.weight, chunk_size
+        self.targets, self.temperature, self.with_entropy = None, 1.0, False
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T, 1 or 2)
+        if self.targets is None:
+            return torch.nn.functional.linear(hidden, self.weight)
+        targets = self.targets.flatten().clamp(min=0)  # -100 (not trained) gathers any id; the caller masks it
+        logprobs, entropy = ChunkedLogprobs.apply(hidden.flatten(0, 1), self.weight, targets, self.chunk_size,
+                                                  self.temperature, self.with_entropy)
+        columns = [logprobs, entropy] if self.with_entropy else [logprobs]
+        return torch.stack([c.view(hidden.shape[:2]) for c in columns], -1)  # a new tensor, not a view
+
+
+def install_chunked_head(model, chunk_size: int) -> ChunkedLogprobHead:
+    """Swap the model's LM head for a ChunkedLogprobHead (before FSDP2 or DDP wrap it)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, ChunkedLogprobHead):
+        head = ChunkedLogprobHead(head, chunk_size)
+        model.set_output_embeddings(head)
+    return head
+
+
+def target_logprobs(model, input_ids, position_ids, targets, temperature: float = 1.0, with_entropy: bool = False):
+    """log p(targets[b, t] | tokens <= t) (B, T) and the entropy (B, T) or None, through the chunked head.
+
+    Packed rows need no mask: with `attention_mask=None`, transformers turns position ids that restart
+    at 0 into a block-diagonal causal mask (masking_utils.find_packed_sequence_indices), and flash
+    attention into its variable-length kernel, so a segment never attends to the one before it.
+    """
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
+    if not isinstance(head, ChunkedLogprobHead):
+        raise TypeError("call install_chunked_head(model, chunk_size) before wrapping the model")
+    head.targets, head.temperature, head.with_entropy = targets, temperature, with_entropy
+    try:
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits  # (B, T, 1 or 2)
+    finally:
+        head.targets = None
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
+def memory_plan(config, row_tokens: int, rows: int, num_shards: int, bf16: bool, checkpointing: bool,
+                chunk_size: int, trained: bool = True, flash_attention: bool = False,
+                fsdp: bool | None = None) -> dict[str, float]:
+    """Bytes per rank of one training step, from the model config alone (nothing loads; the model is
+    built on the meta device to count its parameters). A planning estimate, not an allocator trace:
+    - weights: fp32 master weights, 4 B per parameter, split over `num_shards` FSDP2 ranks;
+    - gradients (fp32, 4 B) and AdamW's two moments (8 B) of the trained parameters, split the same way
+      (`trained` False: LoRA, whose adapters are small enough to leave out);
+    - compute copy: bf16 weights cached by autocast (one rank) or gathered by FSDP2 (two decoder layers
+      in flight, plus the root's embedding and head; `fsdp` defaults to num_shards > 1), 2 B per
+      parameter (fp32 FSDP2: 4 B);
+    - activations of one micro-batch (`rows` x `row_tokens` tokens): a decoder layer keeps about
+      16 x hidden + 4 x intermediate values per token for its backward (the inputs of its matmuls,
+      norms and activation); with checkpointing only each layer's input (hidden values per token)
+      plus one layer's full set while it is recomputed;
+    - attention mask: flash attention needs none; sdpa on packed rows builds a dense (T, T) boolean;
+    - logits: `chunk_size` x vocab fp32 values, two live in a chunk's backward, plus the head's fp32
+      gradient accumulator (vocab x hidden).
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in meta.parameters())  # a tied head is counted once
+    root = meta.get_input_embeddings().weight.numel()
+    if meta.get_output_embeddings().weight is not meta.get_input_embeddings().weight:
+        root += meta.get_output_embeddings().weight.numel()
+    layers, hidden, ffn = config.num_hidden_layers, config.hidden_size, config.intermediate_size
+    act_bytes, tokens = (2 if bf16 else 4), rows * row_tokens
+    layer_acts = tokens * (16 * hidden + 4 * ffn) * act_bytes
+    if (num_shards > 1 if fsdp is None else fsdp):
+        compute_copy = (2 if bf16 else 4) * (2 * (params - root) / layers + root)
+    else:
+        compute_copy = 2 * params if bf16 else 0
+    plan = {
+        "weights": 4 * params / num_shards,
+        "gradients": 4 * params / num_shards if trained else 0,
+        "optimizer": 8 * params / num_shards if trained else 0,
+        "compute_copy": compute_copy,
+        "activations": layers * tokens * hidden * act_bytes + layer_acts if checkpointing else layers * layer_acts,
+        "attention_mask": 0 if flash_attention else rows * row_tokens ** 2,
+        "logits_chunk": 2 * 4 * min(chunk_size, tokens) * config.vocab_size + 4 * config.vocab_size * hidden,
+    }
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def device_memory_bytes(device, local_world_size: int) -> int:
+    """What one rank may use: the GPU's memory, or on CPU the machine's RAM split over the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
+
+
+def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
+    """The plan as one line; stops the run before anything loads when it cannot fit the device."""
+    gib = 2 ** 30
+    line = (", ".join(f"{k} {v / gib:.2f}" for k, v in plan.items())
+            + f" GiB per rank; {available / gib:.1f} GiB available")
+    if plan["total"] > available:
+        raise SystemExit(f"memory plan: {line}.\nIt does not fit. Change one of: {knobs}.")
+    return f"memory plan: {line}"
+
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING: the cost model (MFU / MBU of the engines), counted from first principles
+# -------------------------------------------------------------------------------------------------
+@dataclass
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, c):
+        heads = c.num_attention_heads
+        return cls(c.hidden_size, c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads,
+                   getattr(c, "head_dim", None) or c.hidden_size // heads, c.intermediate_size, c.vocab_size)
+
+    def matmul_params(self) -> int:
+        """Parameters of the per-layer matmuls (q, k, v, o and the gated MLP); no norms, no embeddings."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.layers * (h * q + 2 * h * kv + q * h + 3 * h * self.intermediate)
+
+    def kv_bytes_per_token(self, bytes_per_el: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_el  # K and V, every layer
+
+
+def forward_flops(s: ModelShape, num_tokens: int, attended_sum: int, num_sampled: int) -> int:
+    """2 x matmul params per token, 4 x layers x heads x head_dim per (query, key) pair for QK^T and
+    AV, 2 x hidden x vocab per token that goes through the LM head (the sampled positions)."""
+    return (2 * s.matmul_params() * num_tokens + 4 * s.layers * s.heads * s.head_dim * attended_sum
+            + 2 * s.hidden * s.vocab * num_sampled)
+
+
+def prefill_cost(s: ModelShape, prompt_len: int, bytes_per_el: int, cached: int = 0) -> tuple[int, int]:
+    """(FLOPs, bytes other than weights) of a prefill: causal, so query i attends to i keys, sum =
+    p(p+1)/2 (about half of p^2); one sampled position; the prompt's KV is written. The first `cached`
+    tokens came from the prefix cache: only queries cached+1..p run (each still attends to every key
+    before it) and only their KV is written."""
+    p, c = prompt_len, cached
+    return forward_flops(s, p - c, (p * (p + 1) - c * (c + 1)) // 2, 1), (p - c) * s.kv_bytes_per_token(bytes_per_el)
+
+
+def decode_cost(s: ModelShape, context: int, bytes_per_el: int) -> tuple[int, int]:
+    """(FLOPs, bytes other than weights) of one decode token attending to `context` tokens (itself
+    included): reads context-1 cached tokens' KV and writes its own."""
+    return forward_flops(s, 1, context, 1), context * s.kv_bytes_per_token(bytes_per_el)
+
+
+def weight_bytes(s: ModelShape, bytes_per_el: int) -> int:
+    """Weights read by one forward pass: the matmuls and the LM head (embedding rows are gathered)."""
+    return (s.matmul_params() + s.hidden * s.vocab) * bytes_per_el
+
+
+def engine_step_cost(s: ModelShape, prefill_lens: list[int], decode_contexts: list[int], bytes_per_el: int,
+                     num_engine_steps: int = 1) -> tuple[int, int]:
+    """(FLOPs, bytes) of `num_engine_steps` engine steps that together ran these prefills and decode
+    tokens. A continuous batch shares one read of the weights per engine step across all running
+    sequences: weights are counted once per step, never once per sequence."""
+    flops = nbytes = 0
+    for p in prefill_lens:  # a length, or (length, tokens found in the prefix cache)
+        length, cached = p if isinstance(p, tuple) else (p, 0)
+        f, b = prefill_cost(s, length, bytes_per_el, cached)
+        flops, nbytes = flops + f, nbytes + b
+    for c in decode_contexts:
+        f, b = decode_cost(s, c, bytes_per_el)
+        flops, nbytes = flops + f, nbytes + b
+    if prefill_lens or decode_contexts:
+        nbytes += num_engine_steps * weight_bytes(s, bytes_per_el)
+    return flops, nbytes
+
+
+# name substring -> (peak dense bf16 FLOP/s, peak memory B/s), from the datasheets
+GPU_PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
+
+
+def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
+    """(peak FLOP/s, peak memory B/s, their source) of one device as this process uses it.
+
+    Known GPUs: the datasheet. Otherwise measured with the threads this process runs on (so call it
+    after pinning): an fp32 1536^3 matmul and a 256 MiB copy (read + write), each the best of `reps`,
+    since a busy machine slows some repetitions and never speeds one up. A measured peak is still only a
+    lower bound of the true one; the stages raise it to any higher rate they achieve, so MFU <= 1.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (flops, bandwidth) in GPU_PEAKS.items():
+            if key in name:
+                return flops, bandwidth, f"datasheet bf16 dense peaks of {name}"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best_seconds(fn) -> float:
+        fn()  # warm up
+        times = []
+        for _ in range(reps):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    n = 1536
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    flops = 2 * n ** 3 / best_seconds(lambda: torch.mm(a, b))
+    x = torch.empty(64 * 2 ** 20, device=device)  # 256 MiB of fp32: larger than any cache
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * 4 / best_seconds(lambda: y.copy_(x))
+    return flops, bandwidth, (f"measured on {device.type} with {torch.get_num_threads()} threads: fp32 {n}^3 matmul "
+                              f"and a 256 MiB copy, best of {reps}")
+
+
+def resolve_peaks(peak_flops: float, peak_bw: float, device: str = "cpu") -> tuple[float, float, str]:
+    """--peak_flops / --peak_memory_bandwidth when given (> 0), else measure_peaks for the missing ones."""
+    if peak_flops > 0 and peak_bw > 0:
+        return peak_flops, peak_bw, "given (--peak_flops, --peak_memory_bandwidth)"
+    f, b, src = measure_peaks(device)
+    return ((peak_flops if peak_flops > 0 else f), (peak_bw if peak_bw > 0 else b),
+            src + (" (one peak given)" if peak_flops > 0 or peak_bw > 0 else ""))
+
+
+def static_waste(lengths: list[int]) -> float:
+    """Compute wasted by a static batch: (max length - mean length) / max length (Olmo 3 sec 4.4)."""
+    if not lengths or max(lengths) == 0:
+        return 0.0
+    return (max(lengths) - sum(lengths) / len(lengths)) / max(lengths)
+
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING: devices and CPU cores of each rank
+# -------------------------------------------------------------------------------------------------
+def engine_gpus(rank: int, local_rank: int, local_world: int, num_learners: int, tp: int,
+                device_count: int) -> tuple[int, str]:
+    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. torchrun numbers
+    ranks node by node, so a node's learner ranks come first and take its first GPUs, one each; its actor
+    ranks follow and each takes the next `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
+    local_learners = min(max(num_learners - (rank - local_rank), 0), local_world)
+    first = local_learners + (local_rank - local_learners) * tp
+    need = local_learners + (local_world - local_learners) * tp
+    if need > device_count:
+        raise SystemExit(f"this node has {device_count} GPUs, but its {local_learners} learner rank(s) and "
+                         f"{local_world - local_learners} engine(s) of --vllm_tensor_parallel_size {tp} need {need}: "
+                         "run torchrun --nproc-per-node = learners + engines on the node")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",") if visible else [str(i) for i in range(device_count)]
+    return first, ",".join(physical[first:first + tp])
+
+
+TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID"]
+
+
+def split_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int] | None:
+    """This rank's contiguous share of the node's cores (the first ranks get one more when they do not
+    divide evenly); None when there are fewer cores than ranks (then nothing is pinned)."""
+    if local_world_size < 2 or len(cores) < local_world_size:
+        return None
+    base, extra = divmod(len(cores), local_world_size)
+    start = local_rank * base + min(local_rank, extra)
+    return cores[start:start + base + (local_rank < extra)]
+
+
+def omp_bind(cores: list[int], tensor_parallel: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `tensor_parallel` workers on `cores`: each worker its own share
+    ("0|1"), or every worker all of them when there are fewer cores than workers."""
+    return "|".join(",".join(map(str, split_cores(cores, i, tensor_parallel) or cores)) for i in range(tensor_parallel))
+
+
+def pin_cpu_cores(local_rank: int, is_actor: bool, tensor_parallel: int = 1) -> list[int] | None:
+    """CPU torchrun runs: this rank's share of the cores. Measured on 2 cores, 1 learner + 1 actor:
+    unpinned, vLLM's engine-core process spins on sched_yield while its worker computes, the two take
+    both cores, and the learner's step ran 5-17x slower than alone; pinned, the learner runs at its
+    solo speed and the engine generates as fast on its one core as it did on two. A learner pins
+    itself now, before gloo starts threads (they inherit it). An actor only tells vLLM's worker where
+    to bind its OpenMP threads, and pins itself and vLLM's processes once the engine is up
+    (pin_process_tree): the engine's start (two processes importing and loading) took 43 s on one
+    core against 32 s unpinned, while the learner waits for it anyway."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    mine = (split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world)
+            if hasattr(os, "sched_setaffinity") else None)
+    if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
+        return None  # too few cores to split, or the user binds vLLM's threads themselves
+    if is_actor:  # vLLM's "auto" binding would hold one core back for its scheduler
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(mine, tensor_parallel)
+    else:
+        os.sched_setaffinity(0, mine)
+    return mine
+
+
+def pin_threads(processes: list, cores: list[int]):
+    """Pin every thread of these psutil processes to `cores`, but for those bound within them already (a
+    tensor-parallel engine's workers, each to its share: omp_bind)."""
+    import psutil  # a vLLM dependency
+
+    for proc in processes:
+        with contextlib.suppress(psutil.Error, OSError):  # a thread or process may end meanwhile
+            for th in proc.threads():
+                with contextlib.suppress(OSError):
+                    if not os.sched_getaffinity(th.id) <= set(cores):
+                        os.sched_setaffinity(th.id, cores)
+
+
+def pin_process_tree(cores: list[int]):
+    """Pin every thread of this process and of its descendants (vLLM's engine core and worker)."""
+    import psutil
+
+    me = psutil.Process()
+    pin_threads([me, *me.children(recursive=True)], cores)
+
+
+
+# -------------------------------------------------------------------------------------------------
+# PLUMBING: metrics, the run summary, checkpoints
 # -------------------------------------------------------------------------------------------------
 class MetricsLogger:
     """One line to stdout, one JSON dict to metrics.jsonl and (optionally) wandb, per step."""
@@ -2689,17 +2624,6 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
     print(f"[grpo] {summary['steps']} steps in {summary['wall_s']:.0f}s: {summary['generated_tokens_per_s']:.0f} "
           f"generated and {summary['learner_tokens_per_s']:.0f} trained tokens/s, actor MFU {summary['actor_mfu']:.3f} "
           f"MBU {summary['actor_mbu']:.3f} occupancy {summary['actor_occupancy']:.2f}; the rest in {path}", flush=True)
-
-
-def broadcast_list(obj, group, timeout_s, gather=False):
-    """Among learners (rank 0 is the source). gather=True: every learner's list, concatenated."""
-    if gather:
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return [x for o in out for x in o]
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def gather_full_state(model, num_learners: int) -> dict | None:
@@ -2850,6 +2774,62 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
                 "args": dataclasses.asdict(args)}, os.path.join(tmp, "training_state.pt"))
     publish_checkpoint(root, tmp, name)
     prune_checkpoints(root, args.keep_last_n_checkpoints, protect)
+
+
+
+# -------------------------------------------------------------------------------------------------
+# Flags of open-instruct's Olmo 3 RL scripts that grpo.py does not take, and what to use instead
+# -------------------------------------------------------------------------------------------------
+# Flags of open-instruct's Olmo 3 RL launch scripts (scripts/train/olmo3/7b_*_rl.sh, grpo_fast.py) that this
+# script does not take, with what to use instead; chat_template.COMMON_UNSUPPORTED_FLAGS adds the ones all
+# stages refuse. A `(values, message)` entry is taken when its values ask for what grpo.py does anyway.
+# open-instruct's names of the options we share are aliases in `Args` (see --help).
+UNSUPPORTED_FLAGS = {
+    "total_episodes": "use --num_training_steps: episodes = steps x num_unique_prompts_per_step x "
+                      "num_samples_per_prompt (Olmo 3 7B Think: 10000000 / (64 x 8) = 19531 steps)",
+    # sft.py / dpo.py names; not aliases: -1 (no limit there) and 0 (eval only at the ends there) differ here.
+    **dict.fromkeys(("max_steps", "max_train_steps"),
+                    "use --num_training_steps: learner steps, each one rollout batch (sft.py / dpo.py call their "
+                    "optimizer steps --max_steps; here --num_mini_batches optimizer steps make one learner step)"),
+    "eval_steps": "use --eval_every N: evaluates before step 0, every N steps and after the last (0: never; "
+                  "dpo.py's --eval_steps 0 still evaluates before and after)",
+    "num_learners_per_node": "use --num_learners, the total over nodes (8 8 -> 16): torchrun ranks "
+                             "[0, num_learners) learn, the others run one vLLM engine each",
+    "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
+                        "(engines = world size - num_learners)",
+    "weight_dir": "not needed any more: weight updates stream from learner 0 straight into the engines' workers; "
+                  "nothing is staged on disk or in /dev/shm",
+    "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
+    "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
+    "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),
+    "max_token_length": "not needed here: prompts are limited by --max_prompt_length, responses by "
+                        "--max_response_length",
+    "non_stop_penalty": ({"false"}, "not supported: a response cut at --max_response_length keeps its verifier "
+                                    "reward (Olmo 3: False)"),
+    "non_stop_penalty_value": "not supported (see --non_stop_penalty)",
+    "mask_truncated_completions": ({"false"}, "not supported: truncated responses are trained like the others "
+                                              "(Olmo 3: False)"),
+    "ground_truths_key": ({"ground_truth"}, "rows must carry their label in `ground_truth`"),
+    "sft_messages_key": ({"messages"}, "rows must carry their prompt in `messages`"),
+    "apply_verifiable_reward": ({"", "true"}, "rewards always come from verifiers.py"),
+    "active_sampling": ({"", "true"}, "active sampling is always on"),
+    "no_resampling_pass_rate": "not supported: every prompt stays in the sampler's rotation",
+    "checkpoint_state_freq": "use --save_steps: every checkpoint holds the HF model and the whole training state",
+    "backend_timeout": "use --timeout_s (seconds)",
+    "allow_world_padding": ({"false"}, "batches are never padded to the world size"),
+    "use_fp8_kv_cache": ({"false"}, "the KV cache is kept in the model's dtype"),
+    "stop_strings": "not supported: generation stops at eos or --max_response_length",
+    "llm_judge_model": "set JUDGE_BASE_URL (an OpenAI-compatible endpoint, e.g. `vllm serve Qwen/Qwen3-32B`) and "
+                       "JUDGE_MODEL for verifiers.py's llm_judge",
+    "llm_judge_timeout": "not needed here: a row's whole scoring is bounded by --verifier_timeout (seconds)",
+    "llm_judge_max_tokens": "not needed here: verifiers.py's llm_judge asks for a JSON score of a few tokens",
+    "llm_judge_max_context_length": "not needed here: verifiers.py's llm_judge sends the first 8000 characters",
+    "code_api_url": "not needed here: code runs in verifiers.py's local sandbox",
+    "code_pass_rate_reward_threshold": "not supported: a code reward is the fraction of tests passed "
+                                       "(Olmo 3 used 0.99, all or nothing)",
+    "deepspeed_stage": "not needed here: with several learners FSDP2 shards the model by itself",
+}
+
 
 
 if __name__ == "__main__":
