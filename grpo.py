@@ -1931,6 +1931,8 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
         self.timeout = datetime.timedelta(seconds=info.timeout_s)
         self.packed_buffer_size_bytes, self.inbox = info.packed_buffer_size_bytes, queue.Queue(maxsize=1)
+        if not info.bucket_bytes:  # the receiving thread would end at once, and every update time out
+            raise ValueError("grpo_gloo: the init info names no bucket sizes (the trainer engine sends them)")
         self.bucket_bytes = info.bucket_bytes
         store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
         self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
