@@ -951,6 +951,7 @@ class Link:
         self.header = {}  # of the update under way: finish_weight_update carries it (vLLM's trainer engines pass none)
         self.started = False  # start_weight_update was called: update_weights sends it
         self.streamed = None  # the version of the last update sent to the engines
+        self.first_bucket = None  # set once the update's first bucket is in the workers (our gloo backend)
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
             for r in actor_ranks:
@@ -1004,8 +1005,15 @@ class Link:
         self.started = True
 
     def update_weights(self, update_info: dict):
+        """vLLM calls this in a thread while its trainer engine streams. NCCL's workers receive inside their
+        update_weights: the calls go at once. Our gloo workers receive in a thread of their own: the calls go once
+        the first bucket is in them (for a small model, the whole update), so that an engine pauses for the load
+        only, never for the wire. A stream of more buckets than a worker holds ahead (two) still ends: the calls
+        do not wait for its end."""
         assert self.started, "vLLM's protocol: start_weight_update before update_weights"
         self.started = False
+        if self.first_bucket is not None and not self.first_bucket.wait(self.args.timeout_s):
+            return  # the stream failed or stalled: send_weights reports it
         self._post([{"call": "start_weight_update"}, {"call": "update_weights", "update_info": update_info},
                     dict(self.header, call="finish_weight_update")])
 
@@ -1031,6 +1039,9 @@ class Link:
         self.streamed, self.header = header["version"], header
         if not header.get("stream"):
             return self._post([dict(header, call="update_weight_version")])
+        self.first_bucket = getattr(transfer, "first_bucket", None)  # our gloo backend's (update_weights)
+        if self.first_bucket is not None:
+            self.first_bucket.clear()
         errors, done = [], threading.Event()
 
         def send():
@@ -1982,6 +1993,7 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
                      packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
         engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
+        engine.first_bucket = threading.Event()
         if engine.is_sender:
             store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
                                   timeout=engine.timeout)
@@ -2003,6 +2015,7 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         pairs = self._checked_iter(source, meta)
         while (chunk := pack_tensors(pairs, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
             self.gloo.broadcast([chunk.packed_tensor.cpu()], dist.BroadcastOptions()).wait(self.timeout)
+            self.first_bucket.set()  # Link.update_weights: the engines may load now
 
 
 _OUR_ENGINES = ((WeightTransferEngineFactory, GlooWeightTransferEngine),

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -127,54 +128,65 @@ def test_engine_gpus_learners_first_then_tensor_parallel_engines(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")  # buckets smaller than a tensor, on purpose
 def test_gloo_weight_transfer_round_trip_checks_before_loading():
-    """learner 0 -> one worker through vLLM's weight-transfer protocol on our gloo backend (both ends in this
-    process; the worker engine comes from vLLM's factory, its model is a stand-in recording what load_weights
-    gets): vLLM's send_weights makes the four calls in order, the worker cuts the buckets where vLLM's
-    pack_tensors cut them on the sender, each arrives whole, and a bucket with non-finite values fails before
-    it loads."""
+    """learner 0 -> one worker through vLLM's weight-transfer protocol on our gloo backend, both ends in this
+    process: the real Link (colocated) is the trainer engine's client, and a thread stands in for the actor,
+    making the calls it gets on a worker engine from vLLM's factory (its model a stand-in recording what
+    load_weights gets). vLLM's send_weights makes the four calls in order; the engine is told to load only once
+    the first bucket is in the worker, and an update of more buckets than the worker holds ahead still completes
+    (it would wait forever if the calls went after the whole stream); the worker cuts the buckets where vLLM's
+    pack_tensors cut them on the sender, each arrives whole, and a bucket with non-finite values fails before it
+    loads."""
     from types import SimpleNamespace
 
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    loads, calls = [], []
+    loads, calls, errors = [], [], []
     model = SimpleNamespace(load_weights=lambda weights: loads.append({k: v.clone() for k, v in weights}))
     worker = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend=grpo.GLOO_BACKEND),
         SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None), torch.device("cpu"), model)
+    actor = SimpleNamespace(updates=queue.Queue(), wants=None, init_weights=lambda info: (
+        calls.append("init"), worker.init_transfer_engine(worker.parse_init_info(info))))
 
-    class Client:  # vLLM's four calls, made on the worker engine at once (an actor makes them on its LLM)
-        def init_weight_transfer_engine(self, init_info):
-            calls.append("init")
-            worker.init_transfer_engine(worker.parse_init_info(init_info))
-
-        def start_weight_update(self):
-            calls.append("start")  # vLLM's layerwise reload: needs vLLM's model, run by the end-to-end tests
-
-        def update_weights(self, update_info):
-            calls.append("update")
-            worker.update_weights(update_info)
-
-        def finish_weight_update(self, weight_version=None):
-            calls.append("finish")
+    def make_calls():  # Actor._apply_update's order, on the worker engine
+        while (call := actor.updates.get()) is not None:
+            calls.append(call["call"])
+            if call["call"] == "start_weight_update":
+                calls.append(f"first bucket sent: {trainer.first_bucket.is_set()}")
+            try:
+                if call["call"] == "update_weights":
+                    worker.update_weights(call["update_info"])
+            except Exception as e:
+                errors.append(e)
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50))  # 48, 12, 600 and 200 bytes
     source = grpo.WireWeights(net, torch.float32)
-    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=64, timeout_s=30.0, rank=0)
-    trainer = WeightTransferTrainerFactory.trainer_init(info, client=Client(), source=source)
-    trainer.send_weights()
-    assert calls == ["init", "start", "update", "finish"]
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=16, timeout_s=30.0, rank=0)
+    link = grpo.Link(_args(timeout_s=30.0), [], None, actor, queue.Queue())
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
+    threading.Thread(target=make_calls, daemon=True).start()
+    link.send_weights({"version": 1, "stream": True}, trainer, 30.0)
+    deadline = time.time() + 30
+    while "finish_weight_update" not in calls and time.time() < deadline:
+        time.sleep(0.01)
+    assert calls == ["init", "start_weight_update", "first bucket sent: True", "update_weights",
+                     "finish_weight_update"] and not errors
     pairs, cuts = iter(source), []
-    while (chunk := pack_tensors(pairs, lambda item: item[1], 64)) is not None:
+    while (chunk := pack_tensors(pairs, lambda item: item[1], 16)) is not None:
         cuts.append(chunk.names)
-    assert [list(b) for b in loads] == cuts == [["0.weight", "0.bias", "1.weight"], ["1.bias"]]
+    assert [list(b) for b in loads] == cuts == [["0.weight"], ["0.bias", "1.weight"], ["1.bias"]]  # 3 > 2 ahead
     assert all(torch.equal(b[k], v) for b in loads for k, v in net.state_dict().items() if k in b)
     with torch.no_grad():
         net[1].bias[3] = float("nan")
-    with pytest.raises(ValueError, match="non-finite values in 1.bias"):
-        trainer.send_weights()
-    assert len(loads) == 3  # the first bucket loaded, the one with the NaN did not
+    link.send_weights({"version": 2, "stream": True}, trainer, 30.0)
+    deadline = time.time() + 30
+    while not errors and time.time() < deadline:
+        time.sleep(0.01)
+    actor.updates.put(None)
+    assert len(errors) == 1 and "non-finite values in 1.bias" in str(errors[0])
+    assert len(loads) == 5  # the update's first two buckets loaded, the one with the NaN did not
 
 
 def test_omp_bind_gives_each_tensor_parallel_worker_its_cores():
