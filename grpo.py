@@ -520,7 +520,6 @@ class Actor:
         self.shape = ModelShape.from_config(self.engine.model_config.hf_config)
         self.peak_device = device if device == "cpu" else "cuda"
         self.peak_flops = self.peak_bw = self.peak_source = None  # measured in run(), on the cores it runs on
-        self.rng = random.Random(args.seed + 1000 * actor_id)
         self.pending = {}  # request id -> {"group": group id, "tokens", "logprobs", "prompt_len"}
         self.groups = {}  # group id -> {"meta", "samples", "left"}
         self.waiting = []  # prompt messages received but not yet admitted
@@ -534,17 +533,15 @@ class Actor:
         self.busy_since = None  # when the call into the engine now running began (None: none runs)
 
     # -- requests -------------------------------------------------------------------------------
-    def _sampling_params(self, kind: str):
+    def _sampling_params(self, prompt: dict, j: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        max_tokens, ignore_eos = self.args.max_response_length, False
-        if kind == "train" and self.args.response_length_sampler == "exponential":  # BENCHMARK ONLY
-            max_tokens = max(1, min(self.args.max_response_length,
-                                    int(self.rng.expovariate(1.0 / self.args.response_length_mean))))
-            ignore_eos = True
-        return SamplingParams(temperature=self.args.temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                              logprobs=0, output_kind=RequestOutputKind.DELTA)
+        # a benchmark's prompts carry each sample's length (Dispatcher.prompt); training's never do
+        max_tokens = prompt["max_tokens"][j] if "max_tokens" in prompt else self.args.max_response_length
+        return SamplingParams(temperature=self.args.temperature, max_tokens=max_tokens,
+                              ignore_eos=prompt.get("ignore_eos", False), logprobs=0,
+                              output_kind=RequestOutputKind.DELTA)
 
     def _admit(self, prompt: dict):
         from vllm import TokensPrompt
@@ -560,7 +557,7 @@ class Actor:
             # never an old policy's (the shared template header would otherwise stay cached all run).
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"],
                                                       cache_salt=f"policy-{self.version}"),
-                                    self._sampling_params(prompt["kind"]))
+                                    self._sampling_params(prompt, j))
 
     def _start_probe(self, probe_ids: list[int], learner_logprobs: list[float], version: int):
         from vllm import SamplingParams, TokensPrompt
@@ -1109,12 +1106,17 @@ class Dispatcher(threading.Thread):
         # the learner's step, groups it still misses
         self.version, self.need = version, args.num_unique_prompts_per_step
         self.release, self.release_sent = -1, -1
+        self.length_rng = random.Random(args.seed)  # the benchmark's response lengths (prompt)
 
     def prompt(self, i: int, kind: str, row: dict, n: int, min_version: int | None = None) -> dict:
         p = {"kind": kind, "index": i, "prompt_ids": row["prompt_input_ids"], "ground_truth": row["ground_truth"],
              "verifier": row["verifier"], "n": n}
         if min_version is not None:
             p["min_version"] = min_version
+        if kind == "train" and self.args.response_length_sampler == "exponential":  # BENCHMARK ONLY (bench_infra.sh)
+            mean, longest = self.args.response_length_mean, self.args.max_response_length
+            p["max_tokens"] = [max(1, min(longest, int(self.length_rng.expovariate(1.0 / mean)))) for _ in range(n)]
+            p["ignore_eos"] = True
         return p
 
     def row(self, i: int) -> dict:

@@ -393,6 +393,22 @@ def test_dispatcher_gate_labels_and_release():
         d.stop.set()
         d.join(timeout=5)
 
+def test_only_the_benchmarks_prompts_carry_their_own_lengths():
+    """--response_length_sampler exponential (bench_infra.sh): each training sample gets its own max_tokens, drawn
+    from Exponential(mean) and cut to max_response_length, with eos ignored; evaluation prompts and every prompt of a
+    run without the flag carry nothing, so the actor samples them to max_response_length, stopping at eos."""
+    row = {"prompt_input_ids": [1, 2], "ground_truth": "3", "verifier": "math"}
+    plain = grpo.Dispatcher(grpo.Args(), [row], _RecordingLink(), 1, start=0)
+    assert not {"max_tokens", "ignore_eos"} & set(plain.prompt(0, "train", row, 4))
+    args = grpo.Args(response_length_sampler="exponential", response_length_mean=100, max_response_length=300)
+    bench = grpo.Dispatcher(args, [row], _RecordingLink(), 1, start=0)
+    lengths = [t for i in range(500) for t in bench.prompt(i, "train", row, 4)["max_tokens"]]
+    assert len(lengths) == 2000 and bench.prompt(0, "train", row, 4)["ignore_eos"] is True
+    assert 1 <= min(lengths) and max(lengths) == 300  # P(Exp(100) > 300) = e^-3: about 100 of 2000 are cut
+    assert 85 < sum(lengths) / len(lengths) < 100  # the cut mean: 100 (1 - e^-3) = 95
+    assert not {"max_tokens", "ignore_eos"} & set(bench.prompt(0, "eval", row, 4))
+
+
 def _rollouts(**kw):
     """A Rollouts on learner 0 as grpo.learner builds it, without engines: the real Link in its colocated form
     (the test puts the actor's messages on its queue), a real Dispatcher (not started: the test reads what it
@@ -1043,9 +1059,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
     new = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():  # only the LM head changes: the KV cache kept across the update stays exact
         new.lm_head.weight.mul_(4.0)
-    # ignore_eos and max_tokens = 160 (the benchmark knob with a huge mean): long requests
-    args = _args(response_length_sampler="exponential", response_length_mean=10 ** 9, max_response_length=160,
-                 num_samples_per_prompt=2, temperature=1.0)
+    args = _args(max_response_length=160, num_samples_per_prompt=2, temperature=1.0)
     out = []
     actor = grpo.Actor(args, toy_model_dir, 0, out.append, "cpu")
     errors = []
@@ -1058,6 +1072,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
 
     prompt = [5, 6, 7, 8, 9, 10]
     probe_ids = prompt + [20, 21, 22, 23]
+    long_requests = {"max_tokens": [160, 160], "ignore_eos": True}  # as the benchmark's prompts carry them
 
     def wait_until_both_samples_run(limit):
         while not (len(actor.pending) == 2 and all(len(s["tokens"]) >= 8 for s in actor.pending.values())):
@@ -1070,7 +1085,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
     try:
         actor.updates.put(_version_only(0))
         actor.inbox.put([{"kind": "train", "index": 0, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
-                          "n": 2}])
+                          "n": 2, **long_requests}])
         deadline = time.time() + 120
         wait_until_both_samples_run(deadline)
         before = {rid: list(s["tokens"]) for rid, s in actor.pending.items()}
@@ -1108,7 +1123,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
             model.lm_head.weight.mul_(2.0)
         n_out = len(out)
         actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
-                          "n": 2}])
+                          "n": 2, **long_requests}])
         wait_until_both_samples_run(deadline + 120)
         push = threading.Thread(target=_push, args=(sender, _weight_update(model, 2, probe_ids)), daemon=True)
         push.start()
@@ -1249,33 +1264,16 @@ def _rewarded_by_length(toy_data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_drained_updates_keep_the_lag_within_the_bound(toy_model_dir, toy_data_dir, tmp_path):
-    """Drained updates make the engine deliver its groups in bursts (everything finishes before it loads),
-    so a pull brings more groups than the step takes. The surplus must stay counted in flight: the
-    dispatcher then refills and labels prompts only for what was taken, and the lag stays within the
-    off-policy bound instead of growing step after step (it reached 16 versions with --async_steps 4 in
-    a 30-step bench run when the surplus counted as consumed). A reward by length gives every group a
-    gradient, so each step takes exactly its prompts and the bound is exact."""
-    data = _rewarded_by_length(toy_data_dir, tmp_path)
-    out = str(tmp_path / "run")
-    steps, bound = 16, 1
-    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps), "--eval_every", "0",
-                       "--dataset_mixer_list", str(data), "1.0", "--inflight_updates", "false",
-                       "--async_steps", str(bound), "--num_unique_prompts_per_step", "2",
-                       "--num_samples_per_prompt", "4", "--learning_rate", "1e-5", "--pack_length", "1024")
-    subprocess.run([sys.executable, "grpo.py", *cmd], cwd=REPO, check=True, timeout=600)
-    train = [r for r in _metrics(out) if "rollout/groups" in r]
-    assert len(train) == steps and all(r["rollout/groups"] == 2 for r in train)
-    # drained: a sample's tokens all come from one version; the engine may load an update one step late
-    assert max(r["rollout/lag_max"] for r in train) <= bound + 1, [r["rollout/lag_max"] for r in train]
-
-
-@pytest.mark.slow
 def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_data_dir, tmp_path):
     """Drained updates under --async_steps 3 (torchrun: the engine's request travels over gloo): learner 0
     streams new weights only when the engine asks (every prompt it holds needs newer ones), when its weights
     reach the bound, and before the closing evaluation; not at every step. Every step still trains all its
-    groups and the lag stays within the bound."""
+    groups and the lag stays within the bound. Drained updates make the engine deliver its groups in bursts
+    (everything finishes before it loads), so a pull brings more groups than the step takes: the surplus must
+    stay counted in flight, or the dispatcher refills and labels prompts for groups no step took and the lag
+    grows step after step (with the surplus counted as consumed, this run's lag reached 10 versions; 16 with
+    --async_steps 4 in a 30-step bench run). A reward by length gives every group a gradient, so each step
+    takes exactly its prompts and the bound is exact."""
     data = _rewarded_by_length(toy_data_dir, tmp_path)
     out = str(tmp_path / "run")
     steps, bound = 12, 3
@@ -1337,31 +1335,56 @@ def _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path):
     return out, proc, log
 
 
-@pytest.mark.slow
-def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 1 learner + 1 actor: train a few steps with a checkpoint each step, kill -9 the actor,
-    and the learner exits with a clear error well within --timeout_s; the last checkpoint loads and
-    --resume continues from it."""
+def _two_nodes(out, tmp_path, toy_model_dir, toy_data_dir, *extra) -> tuple[list[int], list[str]]:
+    """README's two-node launch with both "nodes" on this machine: two torchrun agents (--nnodes 2, one process
+    each, c10d rendezvous on 127.0.0.1) make one run, 1 learner + 1 actor. Returns their exit codes and logs."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--eval_every", "0", "--num_unique_prompts_per_step", "2",
+                       "--num_samples_per_prompt", "4", "--max_prompts_per_step_factor", "2", "--num_learners", "1",
+                       *extra)
+    procs, logs = [], []
+    for node in (0, 1):  # node 0 hosts the rendezvous store
+        logs.append(open(tmp_path / f"node{node}.log", "w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpo-two-nodes",
+             "--rdzv-conf", f"is_host={int(node == 0)}", "grpo.py", *cmd],
+            cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        rcs = [p.wait(timeout=700) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in logs:
+            f.close()
+    return rcs, [open(tmp_path / f"node{node}.log").read() for node in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def killed_actor_run(toy_model_dir, toy_data_dir, tmp_path_factory):
+    """One run for the two tests below. torchrun, 1 learner + 1 actor, a checkpoint each step; once step 2 is
+    saved the actor is killed -9, and what follows is recorded: the exit, the engine processes, the log, the
+    last checkpoint's training state. Then README's two-node launch resumes the run from that checkpoint for
+    three more steps."""
+    tmp_path = tmp_path_factory.mktemp("killed_actor")
     out, proc, log = _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path)
     try:
         text = open(tmp_path / "log.txt").read()
         actor_pid = int(text.split("[actor rank 1] pid ")[1].split(":")[0])
         engine_pids = _descendants(actor_pid)  # vLLM's engine core and worker
-        assert engine_pids
-        if len(os.sched_getaffinity(0)) >= 2:  # each rank on its own core(s); vLLM's processes stay on the actor's
-            # two ranks print into one log: a line may run into the other rank's, so read the list itself
-            learner_cores, actor_cores = (
-                set(ast.literal_eval(re.search(rf"\[rank {r}\] pinned to CPU cores (\[[\d, ]*\])", text).group(1)))
-                for r in (0, 1))
-            assert learner_cores and actor_cores and not learner_cores & actor_cores
-            assert all(os.sched_getaffinity(p) == actor_cores for p in [actor_pid, *engine_pids])
+        affinity = {p: os.sched_getaffinity(p) for p in [actor_pid, *engine_pids]}
         os.kill(actor_pid, signal.SIGKILL)
         t = time.time()
         rc = proc.wait(timeout=90)
-        assert rc != 0 and time.time() - t < 60
-        while any(os.path.exists(f"/proc/{p}") for p in engine_pids):  # the engine does not outlive its actor
-            assert time.time() - t < 30, [p for p in engine_pids if os.path.exists(f"/proc/{p}")]
+        exit_s = time.time() - t
+        while any(os.path.exists(f"/proc/{p}") for p in engine_pids) and time.time() - t < 30:
             time.sleep(0.5)
+        engine_left = [p for p in engine_pids if os.path.exists(f"/proc/{p}")]
     finally:
         if proc.poll() is None:  # torchrun forwards SIGTERM; its workers also die with it (PDEATHSIG)
             proc.terminate()
@@ -1370,7 +1393,34 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-    text = open(tmp_path / "log.txt").read()
+    last = grpo.latest_checkpoint(out)
+    state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
+    killed_rows = len(_metrics(out))
+    resumed_rcs, resumed_logs = _two_nodes(out, tmp_path, toy_model_dir, toy_data_dir, "--resume",
+                                           "--num_training_steps", str(state["step"] + 3), "--save_steps", "1")
+    return {"out": out, "log": open(tmp_path / "log.txt").read(), "engine_pids": engine_pids, "affinity": affinity,
+            "actor_pid": actor_pid, "rc": rc, "exit_s": exit_s, "engine_left": engine_left, "last": last,
+            "state": state, "killed_rows": killed_rows, "resumed_rcs": resumed_rcs, "resumed_logs": resumed_logs}
+
+
+@pytest.mark.slow
+def test_torchrun_actor_killed_learner_exits_checkpoint_loads(killed_actor_run):
+    """torchrun, 1 learner + 1 actor: train a few steps with a checkpoint each step, kill -9 the actor,
+    and the learner exits with a clear error well within --timeout_s; the last checkpoint loads and
+    --resume continues from it (launched as two nodes, see killed_actor_run): three more steps, numbered on
+    from the checkpoint's, the sampler moving on."""
+    run = killed_actor_run
+    text, engine_pids = run["log"], run["engine_pids"]
+    assert engine_pids
+    if len(os.sched_getaffinity(0)) >= 2:  # each rank on its own core(s); vLLM's processes stay on the actor's
+        # two ranks print into one log: a line may run into the other rank's, so read the list itself
+        learner_cores, actor_cores = (
+            set(ast.literal_eval(re.search(rf"\[rank {r}\] pinned to CPU cores (\[[\d, ]*\])", text).group(1)))
+            for r in (0, 1))
+        assert learner_cores and actor_cores and not learner_cores & actor_cores
+        assert all(cores == actor_cores for cores in run["affinity"].values()), run["affinity"]
+    assert run["rc"] != 0 and run["exit_s"] < 60, (run["rc"], run["exit_s"])
+    assert not run["engine_left"], run["engine_left"]  # the engine does not outlive its actor (30 s)
     # either the learner saw the dead actor first (its FATAL names it), or torchrun's agent did and
     # stopped the learner (SIGTERM: "interrupted"), with the killed actor rank as the root cause
     assert ("FATAL" in text and "actor" in text) or (
@@ -1378,10 +1428,17 @@ def test_torchrun_actor_killed_learner_exits_checkpoint_loads(toy_model_dir, toy
         and "rank      : 1" in text.split("Root Cause")[1]), text[-3000:]
     from transformers import AutoModelForCausalLM
 
-    last = grpo.latest_checkpoint(out)
-    AutoModelForCausalLM.from_pretrained(last)
-    state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
+    AutoModelForCausalLM.from_pretrained(run["last"])
+    state, out = run["state"], run["out"]
     assert state["step"] >= 2 and state["sampler_position"] > 0
+    logs = run["resumed_logs"]
+    assert run["resumed_rcs"] == [0, 0] and any(f"start step {state['step']}" in t for t in logs), [
+        t[-2000:] for t in logs]
+    # the killed run may have logged a step after its last checkpoint: the resumed run logs it again
+    new_steps = [r["step"] for r in _metrics(out)[run["killed_rows"]:] if "rollout/groups" in r]
+    assert new_steps == [state["step"] + 1, state["step"] + 2, state["step"] + 3], new_steps
+    resumed = torch.load(os.path.join(grpo.latest_checkpoint(out), "training_state.pt"), weights_only=False)
+    assert resumed["step"] == state["step"] + 3 and resumed["sampler_position"] > state["sampler_position"]
 
 
 @pytest.mark.slow
@@ -1471,31 +1528,44 @@ def _torchrun(nproc, toy_model_dir, toy_data_dir, out, *extra, env=None, timeout
     return proc.wait(), open(out + ".log").read()
 
 
-@pytest.mark.slow
-def test_torchrun_weights_stream_without_any_file(toy_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 1 learner + 1 actor, four weight updates: no weight file appears in /dev/shm or the temp dir
-    (the old path staged each update in /dev/shm as grpo_<actor pid>_v<N>.pt), every probe after an update
-    matches, and the update's time is logged split into gather, transfer and load. /dev/shm is shared with
-    whatever else runs on the machine: there, only names that carry a pid of this run count."""
-    tmp = tmp_path / "tmp"
+@pytest.fixture(scope="module")
+def tensor_parallel_stream_run(toy_model_dir, toy_data_dir, tmp_path_factory):
+    """One run for the weight-stream tests below: torchrun, 1 learner + 1 actor whose engine has two workers
+    (--vllm_tensor_parallel_size 2), four steps rewarded by length (every step has a gradient, so every update
+    changes the weights), with TMPDIR and /dev/shm watched for files. Returns its output dir, exit code, log,
+    the files created there while it ran and the pids of its processes."""
+    root = tmp_path_factory.mktemp("tensor_parallel_stream")
+    tmp = root / "tmp"
     tmp.mkdir()
-    watch, pids = _FilesCreated("/dev/shm", str(tmp)), set()
-    out = str(tmp_path / "run")
+    data = _rewarded_by_length(toy_data_dir, root)
+    watch, pids, out = _FilesCreated("/dev/shm", str(tmp)), set(), str(root / "run")
     rc, log = _torchrun(2, toy_model_dir, toy_data_dir, out, "--num_training_steps", "4",
-                        env=dict(os.environ, TMPDIR=str(tmp)), every=lambda pid: pids.update(_descendants(pid)))
-    assert rc == 0, log[-3000:]
-    created = watch.read()
+                        "--vllm_tensor_parallel_size", "2", "--dataset_mixer_list", str(data), "1.0",
+                        "--learning_rate", "1e-4", env=dict(os.environ, TMPDIR=str(tmp)), timeout=700,
+                        every=lambda pid: pids.update(_descendants(pid)))
+    return {"out": out, "rc": rc, "log": log, "tmp": str(tmp), "created": watch.read(), "pids": pids}
+
+
+@pytest.mark.slow
+def test_torchrun_weights_stream_without_any_file(tensor_parallel_stream_run):
+    """Four weight updates from learner 0 into both workers of the engine: no weight file appears in /dev/shm or
+    the temp dir (the old path staged each update in /dev/shm as grpo_<actor pid>_v<N>.pt), every probe after an
+    update matches, and the update's time is logged split into gather, transfer and load. /dev/shm is shared with
+    whatever else runs on the machine: there, only names that carry a pid of this run count."""
+    run = tensor_parallel_stream_run
+    assert run["rc"] == 0, run["log"][-3000:]
+    created, pids = run["created"], run["pids"]
     print(f"{len(created)} files created in /dev/shm and TMPDIR during the run by {len(pids)} processes of it and "
           f"others: {sorted(set(created))[:20]}")
-    ours = [n for n in created if n.startswith(str(tmp)) or any(str(p) in os.path.basename(n) for p in pids)]
+    ours = [n for n in created if n.startswith(run["tmp"]) or any(str(p) in os.path.basename(n) for p in pids)]
     weights = [n for n in ours if "grpo" in os.path.basename(n) or n.endswith((".pt", ".safetensors", ".bin"))]
     assert len(pids) >= 4 and not weights, (pids, weights)
-    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    rows = [r for r in _metrics(run["out"]) if "rollout/groups" in r]
     assert len(rows) == 4 and sum(r["sync/probe_checks"] for r in rows) >= 3
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
     assert all(r["time/weight_gather"] > 0 and r["time/weight_transfer"] > 0 for r in rows)
     assert any("time/weight_load" in r for r in rows)
-    summary = json.load(open(os.path.join(out, "summary.json")))
+    summary = json.load(open(os.path.join(run["out"], "summary.json")))
     assert summary["mean_weight_load_s"] > 0 and summary["mean_weight_transfer_s"] > 0
 
 
@@ -1515,65 +1585,37 @@ def test_torchrun_weights_reach_two_actors(toy_model_dir, toy_data_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_torchrun_tensor_parallel_engine_loads_every_update(toy_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 1 learner + 1 actor whose engine has two workers (--vllm_tensor_parallel_size 2: vLLM CPU's
-    multiprocess workers, each bound by grpo.py to its share of the actor's cores): both workers join the weight
-    stream and load their own shard of every update. The probe after each update matches (a worker left on old
-    weights would add its stale half to the all-reduce; a failed probe is fatal) and every token carries a version
-    within the off-policy bound. A reward by length gives every step a gradient, so every update changes weights."""
-    data = _rewarded_by_length(toy_data_dir, tmp_path)
-    out, steps = str(tmp_path / "run"), 3
-    rc, log = _torchrun(2, toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps),
-                        "--vllm_tensor_parallel_size", "2", "--dataset_mixer_list", str(data), "1.0",
-                        "--learning_rate", "1e-4", timeout=700)
-    assert rc == 0, log[-3000:]
-    pinned = re.search(r"\[rank 1\] pinned to CPU cores (\[[\d, ]*\])", log)
+def test_torchrun_tensor_parallel_engine_loads_every_update(tensor_parallel_stream_run):
+    """The engine's two workers (vLLM CPU's multiprocess workers, each bound by grpo.py to its share of the
+    actor's cores) both join the weight stream and load their own shard of every update. The probe after each
+    update matches (a worker left on old weights would add its stale half to the all-reduce; a failed probe is
+    fatal) and every token carries a version within the off-policy bound."""
+    run, steps = tensor_parallel_stream_run, 4
+    assert run["rc"] == 0, run["log"][-3000:]
+    pinned = re.search(r"\[rank 1\] pinned to CPU cores (\[[\d, ]*\])", run["log"])
     if pinned:  # vLLM's own report of the binding it was given: each worker its share
-        assert f"VLLM_CPU_OMP_THREADS_BIND={grpo.omp_bind(ast.literal_eval(pinned.group(1)), 2)!r}" in log, log[-3000:]
-    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+        assert (f"VLLM_CPU_OMP_THREADS_BIND={grpo.omp_bind(ast.literal_eval(pinned.group(1)), 2)!r}"
+                in run["log"]), run["log"][-3000:]
+    rows = [r for r in _metrics(run["out"]) if "rollout/groups" in r]
     assert len(rows) == steps and all(r["rollout/groups"] == 2 for r in rows)
     assert sum(r["sync/probe_checks"] for r in rows) >= steps - 1
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
     assert all(0 <= r["rollout/lag_first_token_max"] == r["rollout/lag_max"] <= 2 for r in rows)
-    assert json.load(open(os.path.join(out, "summary.json")))["weight_updates"] == steps
+    assert json.load(open(os.path.join(run["out"], "summary.json")))["weight_updates"] == steps
 
 
 @pytest.mark.slow
-def test_two_nodes_learner_node_and_actor_node(toy_model_dir, toy_data_dir, tmp_path):
-    """README's two-node launch with both "nodes" on this machine: two torchrun agents (--nnodes 2, one process
-    each, c10d rendezvous on 127.0.0.1) make one run, the learner on one node and the actor on the other; it trains
-    a few steps, and every update crosses from one node's learner into the other node's engine (probe matches)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    out = str(tmp_path / "run")
-    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "3", "--eval_every", "0",
-                       "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4",
-                       "--max_prompts_per_step_factor", "2", "--num_learners", "1")
-    procs, logs = [], []
-    for node in (0, 1):  # node 0 hosts the rendezvous store
-        logs.append(open(tmp_path / f"node{node}.log", "w"))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpo-two-nodes",
-             "--rdzv-conf", f"is_host={int(node == 0)}", "grpo.py", *cmd],
-            cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        rcs = [p.wait(timeout=700) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        for f in logs:
-            f.close()
-    texts = [open(tmp_path / f"node{node}.log").read() for node in (0, 1)]
-    assert rcs == [0, 0], [t[-2000:] for t in texts]
+def test_two_nodes_learner_node_and_actor_node(killed_actor_run):
+    """README's two-node launch (the resumed run of `killed_actor_run`): two torchrun agents make one run, the
+    learner on one node and the actor on the other; it trains three steps, and every update crosses from one node's
+    learner into the other node's engine (probe matches)."""
+    texts = killed_actor_run["resumed_logs"]
+    assert killed_actor_run["resumed_rcs"] == [0, 0], [t[-2000:] for t in texts]
     learner_node = [i for i, t in enumerate(texts) if "1 learner(s), 1 actor(s)" in t]
     actor_node = [i for i, t in enumerate(texts) if "[actor rank 1] pid" in t]
     assert len(learner_node) == len(actor_node) == 1 and learner_node != actor_node, [t[-2000:] for t in texts]
-    rows = [r for r in _metrics(out) if "rollout/groups" in r]
+    out = killed_actor_run["out"]
+    rows = [r for r in _metrics(out)[killed_actor_run["killed_rows"]:] if "rollout/groups" in r]
     assert len(rows) == 3 and sum(r["sync/probe_checks"] for r in rows) >= 2
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
     assert json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 1
