@@ -82,7 +82,7 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
            "--model_name_or_path", toy_model_dir, "--dataset_mixer_list", sft_data, "1.0", "--output_dir", out]
     # Two intra-op threads: the suite runs one process at a time here, and on two idle cores an SFT
     # step takes 0.44 s with two threads vs 0.78 s with one (the fixture: 750 steps, ~6 min).
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=1200, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=3600, env=dict(os.environ, OMP_NUM_THREADS="2"))
     return store(out)
 
 
