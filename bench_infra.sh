@@ -8,6 +8,10 @@
 # and, when CONFIGS names it, colocated_inflight: the third one as `python grpo.py` (one process, the actor
 # in a thread, on CPU half of the cores each), to compare with the torchrun run in one command:
 #   CONFIGS="continuous_inflight colocated_inflight" bash bench_infra.sh
+# and tools_inflight: the third one with tool use, each request's drawn length cut into TOOL_TURNS + 1 turns
+# with a tool call of TOOL_LATENCY_S seconds between two (results appended, the sequence continued, as in a
+# real tool episode); the report gives its generated tokens/s and occupancy beside the no-tool run's:
+#   CONFIGS="continuous_inflight tools_inflight" bash bench_infra.sh
 # Columns: generated tokens/s, learner tokens/s, trained (kept) tokens/s, steps, mean step time, learner steps/min, actor MFU
 # and MBU (weights counted once per engine step, never once per sequence), actor engine occupancy, time the
 # actors waited for weights, time the learner waited for data, the static batch's wasted-compute
@@ -102,6 +106,8 @@
 #   CONFIGS               which configurations to run (default the three above, in that order;
 #                         colocated_inflight too when named; speedups are relative to the first one listed)
 #   EXTRA_ARGS            more grpo.py flags, the same for every configuration
+#   TOOL_LATENCY_S        tools_inflight: seconds per tool call (default 1)
+#   TOOL_TURNS            tools_inflight: tool calls per request (default 2)
 #   RESULTS_DIR           (default results/bench_infra_<UTC timestamp>)
 #   CACHE_DIR             where the toy model and data are built (default results/.bench_infra_cache)
 #   PYTHON                (default .venv/bin/python if present, else python3)
@@ -130,7 +136,7 @@ report() {
 import json, math, os, sys
 
 out_dir = sys.argv[1]
-ORDER = ["static_drained", "continuous_drained", "continuous_inflight", "colocated_inflight"]
+ORDER = ["static_drained", "continuous_drained", "continuous_inflight", "colocated_inflight", "tools_inflight"]
 TARGETS = {"continuous_vs_static_gen": 1.5, "inflight_vs_drained_steps_per_min": 1.3, "occupancy_inflight": 0.90,
            "weight_sync_share_of_step": 0.10, "stale_groups_dropped": 0, "kept_length_spread": 0.05}
 
@@ -192,6 +198,8 @@ def read_run(name):
         "response_length_mean": sum(lens_mean) / len(lens_mean) if lens_mean else float("nan"),
         "response_length_max": max(lens_max) if lens_max else 0,
         "wall_s": s["wall_s"],
+        "occupancy_while_tools": (sum(r["perf/actor_occupancy_while_tools"] for r in steps if "perf/actor_occupancy_while_tools" in r)
+                                  / max(1, sum("perf/actor_occupancy_while_tools" in r for r in steps))),
         "peak_source": peak,
         "series": [{"t": r["time"] - steps[0]["time"] + steps[0].get("time/step", 0.0), "step": r["step"],
                     "generated_tokens_per_s": r.get("perf/actor_tokens_per_s"),
@@ -224,7 +232,8 @@ cont = [r for r in rows if r["config"].startswith("continuous")]
 # Olmo 3 sec 4.5: inflight updates keep the engine busy and the update cheap. With drained updates the
 # engine must finish what it runs before it can load, so a drained run's occupancy and sync share are
 # context, not targets.
-inflight = [r for r in rows if r["config"].endswith("inflight")]
+# (tools_inflight is context: its engines wait on tools by design, and its lengths hold the tools' results)
+inflight = [r for r in rows if r["config"].endswith("inflight") and r["config"] != "tools_inflight"]
 if inflight:
     v = min(r["actor_occupancy"] for r in inflight)
     targets["occupancy_inflight"] = {"measured": v, "target": ">= 0.90 (min over inflight runs)", "holds": v >= 0.9}
@@ -232,7 +241,7 @@ if inflight:
     targets["weight_sync_share_of_step"] = {"measured": v, "target": "< 0.10 (max over inflight runs)", "holds": v < 0.1}
 v = sum(r["groups_dropped_stale"] for r in rows)
 targets["stale_groups_dropped"] = {"measured": v, "target": "0 (sum over runs)", "holds": v == 0}
-lengths = [r["response_length_mean"] for r in rows]
+lengths = [r["response_length_mean"] for r in rows if r["config"] != "tools_inflight"]
 if len(lengths) > 1:  # the off-policy rule must not select against long answers in any configuration
     v = max(lengths) / max(min(lengths), 1e-9) - 1
     targets["kept_length_spread"] = {"measured": v, "target": "< 0.05 (max / min mean kept length - 1)", "holds": v < 0.05}
@@ -250,6 +259,9 @@ for r in cont:
 for r in rows:
     if r["config"].endswith("drained"):  # the learner's update includes waiting for the engine to drain
         context[f"weight_sync_share_{r['config']}"] = r["weight_sync_share_of_step"]
+if "continuous_inflight" in by and "tools_inflight" in by:  # what tool calls of a set latency cost the engines
+    context["tools_vs_no_tools_gen"] = by["tools_inflight"]["generated_tokens_per_s"] / max(by["continuous_inflight"]["generated_tokens_per_s"], 1e-9)
+    context["occupancy_while_tools"] = by["tools_inflight"]["occupancy_while_tools"]
 if "continuous_inflight" in by and "colocated_inflight" in by:  # one process against the torchrun layout
     context["colocated_vs_torchrun_steps_per_min"] = by["colocated_inflight"]["learner_steps_per_min"] / max(by["continuous_inflight"]["learner_steps_per_min"], 1e-9)
 
@@ -358,6 +370,8 @@ SEED=${SEED:-1}
 ENFORCE_EAGER=${ENFORCE_EAGER:-$(( 1 - HAS_GPU ))}
 CONFIGS=${CONFIGS:-static_drained continuous_drained continuous_inflight}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+TOOL_LATENCY_S=${TOOL_LATENCY_S:-1}
+TOOL_TURNS=${TOOL_TURNS:-2}
 RESULTS_DIR=${RESULTS_DIR:-results/bench_infra_$(date -u +%Y%m%d_%H%M%S)}
 CACHE_DIR=${CACHE_DIR:-results/.bench_infra_cache}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} TOKENIZERS_PARALLELISM=false
@@ -452,6 +466,8 @@ for name in $CONFIGS; do
         continuous_drained)  FLAGS=(--batching continuous --inflight_updates false) ;;
         continuous_inflight) FLAGS=(--batching continuous --inflight_updates true) ;;
         colocated_inflight)  FLAGS=(--batching continuous --inflight_updates true) ;;
+        tools_inflight)      FLAGS=(--batching continuous --inflight_updates true
+                                    --bench_tool_latency_s "$TOOL_LATENCY_S" --bench_tool_turns "$TOOL_TURNS") ;;
         *) echo "unknown configuration '$name' in CONFIGS" >&2; exit 2 ;;
     esac
     out=$RESULTS_DIR/$name

@@ -1073,6 +1073,8 @@ def tokenize_rlvr(dataset, tokenizer, max_prompt_length, chat_template=None, ove
     """Rows with `messages` (prompt), `ground_truth`, `verifier` -> `prompt_input_ids` (generation prompt added).
 
     A trailing assistant message is removed (it is the reference answer, not part of the prompt).
+    A row's `tools` (function schemas) are rendered into the prompt, and their names kept as `tool_names`:
+    grpo.py runs such a row as a tool episode (ToolTurns below).
     Over-long prompts are dropped, or right-truncated with `over_length_strategy="truncate"`.
     Also kept: `dataset` (the row's `dataset` or `source` column, for per-source metrics). Dolci /
     open-instruct rows name the verifier in `dataset` ("math", "ifeval", "code", "general-quality",
@@ -1109,12 +1111,68 @@ def tokenize_rlvr(dataset, tokenizer, max_prompt_length, chat_template=None, ove
                 ground_truth = wrap(refs[0] if len(refs) == 1 else ground_truth)
         name = row.get("dataset") or row.get("source") or ""
         return {"prompt_input_ids": ids, "ground_truth": ground_truth, "verifier": verifier,
-                "dataset": "+".join(map(str, name)) if isinstance(name, list) else str(name)}
+                "dataset": "+".join(map(str, name)) if isinstance(name, list) else str(name),
+                "tool_names": tool_names(tools)}
 
     settings = {"max_prompt_length": max_prompt_length, "over_length_strategy": over_length_strategy,
                 "chat_template_source": template}
-    columns = ["prompt_input_ids", "ground_truth", "verifier", "dataset"]
+    columns = ["prompt_input_ids", "ground_truth", "verifier", "dataset", "tool_names"]
     return _tokenize_dataset(dataset, tokenizer, "rlvr", row_fn, settings, columns, cache_dir, num_proc)
+
+
+def tool_names(tools) -> list[str]:
+    """The function names a row's tool schemas offer (OpenAI `{"function": {"name"}}` or flat `{"name"}`)."""
+    names = []
+    for t in tools or []:
+        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DroppedRow("bad_tools", "a tool schema without a name")
+        names.append(fn["name"])
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Tool episodes (grpo.py): the tokens between a sampled turn that called tools and the next turn
+# ---------------------------------------------------------------------------------------------
+class ToolTurns:
+    """What the template puts around tool results, for a rollout that continues one token sequence.
+
+    A sampled assistant turn that calls tools ends with the template's closing token of a non-final turn
+    (`<|im_end|>` in Olmo 3's; `stop_token_ids` makes generation stop there as at eos). `results_ids` are
+    the tokens that follow it: the tool results as `environment` turns and the next assistant header,
+    rendered by the template for exactly these turns and tokenized on their own. Nothing sampled before is
+    rendered or tokenized again (re-tokenizing a conversation between turns changes its tokens). Each
+    piece starts at a special token or a newline after one, so its tokens are the ones a render of the
+    whole conversation has there."""
+
+    def __init__(self, tokenizer, chat_template=None):
+        self.tokenizer, self.template = tokenizer, _resolve_template(tokenizer, chat_template)
+        self.special = _special_tokens(tokenizer)
+        _, closing = self._split(["x"])
+        ids = tokenizer(closing, add_special_tokens=False)["input_ids"] if closing else []
+        self.stop_token_ids = list(ids) if len(ids) == 1 else []  # a one-token closer, e.g. <|im_end|>
+
+    def _split(self, results: list[str]) -> tuple[str, str]:
+        """(the text after a tool-calling assistant turn up to the next header, that turn's closing token)."""
+        mark = "\x00turn\x00"
+        messages = [{"role": "user", "content": "q"},
+                    {"role": "assistant", "content": mark,
+                     "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]},
+                    *({"role": "tool", "content": r} for r in results)]
+        full, ranges = _render(self.template, messages, None, True, self.special)
+        at = full.index(mark)
+        blocks = [(a, b) for a, b in ranges if a <= at < b]
+        if blocks:  # the generation block holds the sampled turn, its closing token included
+            end = blocks[0][1]
+            closing = next((s for s in _all_special_strings(self.tokenizer) if full[:end].endswith(s)), "")
+        else:  # no blocks: the turn ends at the first special token after it
+            end, closing = min(((full.find(s, at), s) for s in _all_special_strings(self.tokenizer)
+                                if full.find(s, at) >= 0), default=(len(full), ""))
+            end += len(closing)
+        return full[end:], closing
+
+    def results_ids(self, results: list[str]) -> list[int]:
+        return list(self.tokenizer(self._split(results)[0], add_special_tokens=False)["input_ids"])
 
 
 # ---------------------------------------------------------------------------------------------

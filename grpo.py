@@ -20,6 +20,8 @@ Departures, on purpose (README has the measurements):
 - An inflight update pauses the scheduler (keep mode: no abort, no cache clear) so per-token versions are
   exact; running requests keep their KV cache, computed by the old weights (PipelineRL's staleness).
 - Prompts in flight at a checkpoint are skipped on resume, not replayed.
+- A row with `tools` runs as a multi-turn episode, one token sequence: tool results are appended as tokens and
+  trained on as context only (Actor._end_turn; README, tool use).
 
 Reading order: Args; the algorithm (advantages, filter, active sampling, admission gate, loss); packing and
 the chunked LM head; the actor; learner 0's link and prompt dispatcher; the learner and its loop; `main`;
@@ -39,11 +41,13 @@ Outputs in `output_dir`: the final model (HF layout), metrics.jsonl, summary.jso
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
 import datetime
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -119,7 +123,14 @@ class Args:
     max_prompt_length: int = field(default=2048, metadata={
         "aliases": ["--max_prompt_token_length"], "help": "Prompts longer than this are dropped (Olmo 3: 2048)."})
     max_response_length: int = field(default=32768, metadata={
-        "aliases": ["--response_length"], "help": "Generation stops here, marked truncated (Olmo 3 Think: 32768)."})
+        "aliases": ["--response_length"], "help": "Generation stops here, marked truncated; a tool episode's results count (Olmo 3 Think: 32768)."})
+    # ---- tool use: a row with a `tools` column (function schemas) runs as a multi-turn episode (Actor)
+    tools_module: str | None = field(default=None, metadata={
+        "help": "A Python file defining TOOLS = {name: function}, tools beside the built-in `python` (sandboxed)."})
+    max_tool_turns: int = field(default=5, metadata={"help": "Tool-calling turns per episode; then it ends."})
+    tool_timeout_s: float = field(default=30.0, metadata={
+        "help": "A tool call still running after this many seconds is answered as timed out."})
+    max_tool_output_chars: int = field(default=4000, metadata={"help": "Tool results are cut to this many characters."})
     # ---- algorithm (Olmo 3 / open-instruct grpo_fast defaults)
     num_training_steps: int = field(default=1000, metadata={"help": "Learner steps (each one rollout batch)."})
     num_unique_prompts_per_step: int = field(default=64, metadata={
@@ -208,6 +219,12 @@ class Args:
     response_length_sampler: str = field(default="none", metadata={
         "help": "Benchmark only: 'exponential' draws each request's max_tokens and ignores eos."})
     response_length_mean: int = field(default=0, metadata={"help": "Benchmark only: that exponential's mean."})
+    # BENCHMARK ONLY (bench_infra.sh tools_inflight): with the sampler above, each request's drawn length is cut
+    # into bench_tool_turns + 1 turns with a tool call of this latency between two, through the tool episodes'
+    # own machinery (a random model calls no tool by itself)
+    bench_tool_latency_s: float = field(default=0.0, metadata={
+        "help": "Benchmark only: seconds of a tool call between two turns of every request (0: no tool)."})
+    bench_tool_turns: int = field(default=2, metadata={"help": "Benchmark only: tool calls per request."})
 
 
 
@@ -409,7 +426,8 @@ def learner_forwards(bins: list[list[dict]], num_learners: int, token_budget: in
 def collate_bin(rows: list[dict], pad_id: int = 0) -> dict:
     """One packed bin -> tensors over T positions, position t predicting token t + 1:
     input_ids, position_ids (restart per row: rows never attend to each other), and on
-    predicting positions of response tokens: targets, mask, advantages, sampling logprobs."""
+    predicting positions of response tokens: targets, mask, advantages, sampling logprobs. A tool episode's
+    appended tokens (`loss_mask` 0) are context only: their positions have mask 0."""
     ids, pos, tgt, msk, adv, slp = [], [], [], [], [], []
     for r in rows:
         seq = list(r["prompt_ids"]) + list(r["response_ids"])
@@ -419,6 +437,8 @@ def collate_bin(rows: list[dict], pad_id: int = 0) -> dict:
         nxt = seq[1:] + [pad_id]
         tgt += nxt
         is_resp = [1 if p - 1 <= t < n - 1 else 0 for t in range(n)]  # predicts a response token
+        if r.get("loss_mask") is not None:  # position p - 1 + k predicts response token k
+            is_resp[p - 1:n - 1] = r["loss_mask"]
         msk += is_resp
         adv += [r["advantage"]] * n
         lp = [0.0] * (p - 1) + list(r["sampling_logprobs"]) + [0.0]
@@ -482,6 +502,169 @@ def token_logprobs(model, batch: dict, temperature: float = 1.0, with_entropy: b
 
 
 # -------------------------------------------------------------------------------------------------
+# Tool episodes: calls parsed from a sampled turn, run off the engine loop, their results appended as tokens
+# -------------------------------------------------------------------------------------------------
+class ToolCallError(ValueError):
+    """A call that cannot run; `kind` names its counter (tools/errors_<kind>). The model gets the message."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+MAX_CALLS_PER_TURN, MAX_CALL_CHARS = 8, 20_000
+_LITERAL_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _literal(node):
+    """A call's argument: a JSON (or Python) literal. Nothing is evaluated."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _LITERAL_NAMES:
+        return _LITERAL_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
+            and isinstance(node.operand, ast.Constant) and isinstance(node.operand.value, (int, float)):
+        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    raise ToolCallError("malformed", f"an argument is not a literal: {ast.unparse(node)[:80]}")
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, list, dict]] | None:
+    """The calls of one sampled turn, in the syntax Olmo 3's templates print and its function-calling data
+    trains: `<function_calls>name(key=value, ...)</function_calls>`, one call per line, values as JSON; a line
+    may also be a JSON object {"name", "arguments"}. Returns [(name, positional, keyword)], or None when the
+    turn calls nothing (it is the answer). Raises ToolCallError("malformed") for anything else."""
+    start = text.find("<function_calls>")
+    if start < 0:
+        return None
+    end = text.find("</function_calls>", start)
+    if end < 0:
+        raise ToolCallError("malformed", "<function_calls> without </function_calls>")
+    body = text[start + len("<function_calls>"):end].strip()
+    if len(body) > MAX_CALL_CHARS:
+        raise ToolCallError("malformed", f"the calls are {len(body)} characters long (at most {MAX_CALL_CHARS})")
+    try:
+        calls = [_call(stmt) for stmt in ast.parse(body, mode="exec").body]
+    except ToolCallError:
+        raise
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as e:  # TypeError: {[1]: 2}
+        raise ToolCallError("malformed", f"the calls do not parse: {type(e).__name__}: {str(e)[:120]}") from None
+    if not calls:
+        raise ToolCallError("malformed", "<function_calls> holds no call")
+    if len(calls) > MAX_CALLS_PER_TURN:
+        raise ToolCallError("malformed", f"{len(calls)} calls in one turn (at most {MAX_CALLS_PER_TURN})")
+    return calls
+
+
+def _call(stmt) -> tuple[str, list, dict]:
+    node = stmt.value if isinstance(stmt, ast.Expr) else None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and all(
+            not isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords):
+        return node.func.id, [_literal(a) for a in node.args], {k.arg: _literal(k.value) for k in node.keywords}
+    if isinstance(node, ast.Dict):
+        obj = _literal(node)
+        name, arguments = obj.get("name"), obj.get("arguments", {})
+        if isinstance(name, str) and isinstance(arguments, dict):
+            return name, [], arguments
+    raise ToolCallError("malformed", f"not a call: {ast.unparse(stmt)[:80]}")
+
+
+def load_tools(args: Args) -> dict:
+    """The tool registry: the built-in `python` (the code sandbox, verifiers.python_tool) and the TOOLS dict of
+    --tools_module (name -> a plain function of the call's arguments that returns text)."""
+    import verifiers
+
+    def python(code: str) -> str:
+        """Runs Python code in a sandbox and returns what it printed."""
+        return verifiers.python_tool(code, timeout=min(10.0, args.tool_timeout_s),
+                                     max_output_chars=args.max_tool_output_chars,
+                                     allow_unsandboxed_code=args.allow_unsandboxed_code)
+
+    tools = {"python": python}
+    if args.bench_tool_latency_s > 0:  # BENCHMARK ONLY: the tool of bench_infra.sh's tools_inflight
+        tools["bench_sleep"] = lambda: time.sleep(args.bench_tool_latency_s) or "ok"
+    if args.tools_module:
+        spec = importlib.util.spec_from_file_location("grpo_tools_module", args.tools_module)
+        if spec is None or not os.path.isfile(args.tools_module):
+            raise ValueError(f"--tools_module {args.tools_module}: no such Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        user = getattr(module, "TOOLS", None)
+        if not isinstance(user, dict) or not all(isinstance(k, str) and callable(v) for k, v in user.items()):
+            raise ValueError(f"--tools_module {args.tools_module}: it must define TOOLS, a dict of name -> function")
+        tools.update(user)
+    return tools
+
+
+class ToolRunner:
+    """Runs each turn's calls off the engine loop, every call in a daemon thread of its own, so other requests
+    keep decoding while a tool runs. A call that raises, times out, names an unknown tool or does not fit the
+    function's signature is answered with an error text, counted by kind, and never ends the run; a call still
+    running at its deadline is abandoned (a daemon thread: it cannot hold up the exit)."""
+
+    def __init__(self, tools: dict, timeout_s: float, max_output_chars: int):
+        self.tools, self.timeout_s, self.max_chars = tools, timeout_s, max_output_chars
+        self.turns, self.lock = {}, threading.Lock()  # key -> {"results", "kinds", "t0"}
+
+    def submit(self, key: str, calls: list) -> None:
+        """`calls`: parse_tool_calls' list, or a ToolCallError (the turn's calls did not parse)."""
+        calls = calls if isinstance(calls, list) else [calls]
+        turn = {"results": [None] * len(calls), "kinds": [None] * len(calls), "t0": time.monotonic()}
+        with self.lock:
+            self.turns[key] = turn
+        for i, call in enumerate(calls):
+            try:
+                if isinstance(call, ToolCallError):
+                    raise call
+                name, pos, kw = call
+                if name not in self.tools:
+                    raise ToolCallError("unknown_tool", f"no tool named {name!r} (tools: {', '.join(sorted(self.tools))})")
+                try:
+                    inspect.signature(self.tools[name]).bind(*pos, **kw)
+                except TypeError as e:
+                    raise ToolCallError("bad_arguments", f"{name}: {e}") from None
+                except ValueError:  # a builtin without a signature: let the call say
+                    pass
+            except ToolCallError as e:
+                self._answer(turn, i, f"error: {e}", e.kind)
+                continue
+            threading.Thread(target=self._run, args=(turn, i, self.tools[name], pos, kw), daemon=True,
+                             name=f"tool-{name}").start()
+
+    def _run(self, turn, i, fn, pos, kw):
+        try:
+            out = fn(*pos, **kw)
+            self._answer(turn, i, out if isinstance(out, str) else json.dumps(out, default=str), None)
+        except BaseException as e:  # noqa: BLE001 - a tool's SystemExit must not end the actor either
+            self._answer(turn, i, f"error: {type(e).__name__}: {e}", "exception")
+
+    def _answer(self, turn, i, text: str, kind: str | None):
+        if len(text) > self.max_chars:
+            text = text[:self.max_chars] + f"... [cut at {self.max_chars} characters]"
+        with self.lock:
+            if turn["results"][i] is None:  # a timed-out call that returns later changes nothing
+                turn["results"][i], turn["kinds"][i] = text, kind
+
+    def finished(self) -> list[tuple[str, list[str], list[str | None], float]]:
+        """Turns whose calls have all answered or timed out: [(key, result texts, error kinds, seconds)]."""
+        now, out = time.monotonic(), []
+        with self.lock:
+            for key, turn in list(self.turns.items()):
+                late = now - turn["t0"] > self.timeout_s
+                if late or all(r is not None for r in turn["results"]):
+                    for i, r in enumerate(turn["results"]):
+                        if r is None:
+                            turn["results"][i] = f"error: the call timed out after {self.timeout_s:g}s"
+                            turn["kinds"][i] = "timeout"
+                    del self.turns[key]
+                    out.append((key, turn["results"], turn["kinds"], now - turn["t0"]))
+        return out
+
+
+# -------------------------------------------------------------------------------------------------
 # The actor: one vLLM engine kept full (continuous batching), weights loaded between two steps (inflight updates)
 # -------------------------------------------------------------------------------------------------
 class Actor:
@@ -531,16 +714,23 @@ class Actor:
         self.static_batch = math.ceil(args.num_unique_prompts_per_step / num_actors)  # prompts per static batch
         self.static_lens = []  # response lengths of the running static batch
         self.busy_since = None  # when the call into the engine now running began (None: none runs)
+        self.tool_turns = self.tool_runner = None  # tool episodes: set up by the first prompt that offers tools
+        self.in_tools = {}  # request id -> its episode state while its turn's tool calls run
 
     # -- requests -------------------------------------------------------------------------------
-    def _sampling_params(self, prompt: dict, j: int):
+    def _sampling_params(self, prompt: dict, j: int, max_tokens: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         # a benchmark's prompts carry each sample's length (Dispatcher.prompt); training's never do
-        max_tokens = prompt["max_tokens"][j] if "max_tokens" in prompt else self.args.max_response_length
+        if max_tokens is None:
+            max_tokens = prompt["max_tokens"][j] if "max_tokens" in prompt else self.args.max_response_length
+        if "bench_turns" in prompt:  # BENCHMARK ONLY: a turn's share of the drawn length
+            max_tokens = min(max_tokens, math.ceil(prompt["max_tokens"][j] / (prompt["bench_turns"] + 1)))
+        # a tool episode's turn also stops at the template's closing token of a turn that calls tools
+        stop = self.tool_turns.stop_token_ids if prompt.get("tools") and not prompt.get("ignore_eos") else None
         return SamplingParams(temperature=self.args.temperature, max_tokens=max_tokens,
-                              ignore_eos=prompt.get("ignore_eos", False), logprobs=0,
+                              ignore_eos=prompt.get("ignore_eos", False), logprobs=0, stop_token_ids=stop,
                               output_kind=RequestOutputKind.DELTA)
 
     def _admit(self, prompt: dict):
@@ -549,15 +739,84 @@ class Actor:
         gid = f"{prompt['kind']}-{prompt['index']}"
         self.groups[gid] = {"meta": prompt, "samples": [None] * prompt["n"], "left": prompt["n"],
                             "t0": time.perf_counter()}
+        if prompt.get("tools") and self.tool_turns is None:
+            self._start_tools()
+        # Salted by policy version: a request reuses only prompt KV computed by the weights it starts on,
+        # never an old policy's (the shared template header would otherwise stay cached all run).
+        salt = f"policy-{self.version}"
         for j in range(prompt["n"]):
             rid = f"{gid}-{j}"
             self.pending[rid] = {"group": gid, "j": j, "tokens": [], "logprobs": [],
-                                 "prompt_len": len(prompt["prompt_ids"])}
-            # Salted by policy version: a request reuses only prompt KV computed by the weights it starts on,
-            # never an old policy's (the shared template header would otherwise stay cached all run).
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"],
-                                                      cache_salt=f"policy-{self.version}"),
+                                 "prompt_len": len(prompt["prompt_ids"]), "turn_start": 0}
+            if prompt.get("tools"):  # a tool episode: what _end_turn and _continue_episodes need
+                self.pending[rid].update(rid=rid, salt=salt, mask=[], versions=[], turns=0, calls=0)
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"], cache_salt=salt),
                                     self._sampling_params(prompt, j))
+
+    # -- tool episodes --------------------------------------------------------------------------
+    def _start_tools(self):
+        import chat_template
+
+        self.tokenizer = self.llm.get_tokenizer()
+        self.tool_turns = chat_template.ToolTurns(self.tokenizer, self.args.chat_template)
+        self.tool_runner = ToolRunner(load_tools(self.args), self.args.tool_timeout_s, self.args.max_tool_output_chars)
+
+    def _end_turn(self, rid: str, st: dict, c):
+        """A turn of a tool episode finished. Calls in it run (ToolRunner) unless the episode is out of turns or
+        tokens; a turn without a call is the answer, and the episode ends."""
+        st["versions"] += self._token_versions(c, len(st["tokens"]) - st["turn_start"])
+        del self.pending[rid]
+        calls = None
+        if c.finish_reason == "stop" and len(st["tokens"]) < self.args.max_response_length:
+            text = self.tokenizer.decode(st["tokens"][st["turn_start"]:], skip_special_tokens=False)
+            try:
+                calls = parse_tool_calls(text)
+            except ToolCallError as e:
+                calls = e
+        meta = self.groups[st["group"]]["meta"]
+        if calls is None and c.finish_reason == "length" and st["turns"] < meta.get("bench_turns", 0) \
+                and len(st["tokens"]) < self.args.max_response_length:
+            calls = [("bench_sleep", [], {})]  # BENCHMARK ONLY (Dispatcher.prompt)
+        if calls is None:
+            return self._finish_sample(st, c.finish_reason, st["versions"])
+        if st["turns"] >= self.args.max_tool_turns:
+            self.stats["tool_turn_limit"] += 1
+            return self._finish_sample(st, "tool_turn_limit", st["versions"])
+        st["turns"] += 1
+        self.in_tools[st["rid"]] = st
+        self.tool_runner.submit(st["rid"], calls)
+
+    def _continue_episodes(self):
+        """Episodes whose tool calls answered: append the results and the next assistant header as the template
+        renders them (ToolTurns: context, out of the loss), then continue the same token sequence as a new
+        request. Its prefix KV is reused from the prefix cache under the episode's first salt."""
+        from vllm import TokensPrompt
+
+        for key, results, kinds, seconds in self.tool_runner.finished():
+            st = self.in_tools.pop(key)
+            st["calls"] += len(results)
+            self.stats["tool_calls"] += len(results)
+            self.stats["tool_s"] += seconds
+            for kind in filter(None, kinds):
+                self.stats[f"tool_errors_{kind}"] += 1
+            ids = self.tool_turns.results_ids(results)
+            left = self.args.max_response_length - len(st["tokens"])
+            fit = ids[:left]
+            st["tokens"] += fit
+            st["logprobs"] += [0.0] * len(fit)
+            st["mask"] += [0] * len(fit)
+            self.stats["appended_tokens"] += len(fit)
+            if len(ids) >= left:  # no token left to sample: the episode ends truncated
+                self._finish_sample(st, "length", st["versions"])
+                continue
+            meta = self.groups[st["group"]]["meta"]
+            st["turn_start"] = len(st["tokens"])
+            st["prompt_len"] = len(meta["prompt_ids"]) + st["turn_start"]
+            rid = f"{st['rid']}-turn{st['turns']}"
+            self.pending[rid] = st
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(meta["prompt_ids"]) + st["tokens"],
+                                                      cache_salt=st["salt"]),
+                                    self._sampling_params(meta, st["j"], max_tokens=left - len(ids)))
 
     def _start_probe(self, probe_ids: list[int], learner_logprobs: list[float], version: int):
         from vllm import SamplingParams, TokensPrompt
@@ -595,34 +854,48 @@ class Actor:
             if st is None:
                 continue
             c = out.outputs[0]
-            g0, k = len(st["tokens"]), len(c.token_ids)
+            g0, k = len(st["tokens"]) - st["turn_start"], len(c.token_ids)
             steps = max(steps, k)
             if g0 == 0 and k:  # prompt tokens found in the prefix cache cost no prefill compute
                 prefill.append((st["prompt_len"], out.num_cached_tokens or 0))
             decode_ctx += [st["prompt_len"] + j for j in range(max(g0, 1), g0 + k)]
             st["tokens"] += c.token_ids
             st["logprobs"] += [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
-            if out.finished:
-                self._finish_sample(out.request_id, st, c)
+            if "mask" in st:
+                st["mask"] += [1] * k
+                self.stats["sampled_tokens"] += k
+            if out.finished and "mask" in st:
+                self._end_turn(out.request_id, st, c)
+            elif out.finished:
+                del self.pending[out.request_id]
+                self._finish_sample(st, c.finish_reason, self._token_versions(c, len(st["tokens"])))
         flops, nbytes = engine_step_cost(self.shape, prefill, decode_ctx, self.dtype.itemsize, steps)
         self.stats["flops"] += flops
         self.stats["bytes"] += nbytes
         self.stats["gen_tokens"] += len(decode_ctx) + len(prefill)
         self.stats["prefill_tokens"] += sum(p - cached for p, cached in prefill)
 
-    def _finish_sample(self, rid, st, c):
-        del self.pending[rid]
-        n = len(st["tokens"])
+    def _token_versions(self, c, n: int) -> list[int]:
+        """The policy version of each of a request's n tokens: vLLM labels token spans with set_weight_version()."""
         versions = [self.version] * n
-        for span in c.weight_versions or []:  # vLLM labels token spans with set_weight_version()
+        for span in c.weight_versions or []:
             for i in range(span.start, min(span.end, n)):
                 versions[i] = int(span.version) if span.version.lstrip("-").isdigit() else self.version
+        return versions
+
+    def _finish_sample(self, st: dict, finish_reason: str, versions: list[int]):
+        n = len(st["tokens"])
         if self.args.batching == "static":
             self.static_lens.append(n)
         g = self.groups[st["group"]]
-        g["samples"][st["j"]] = {"response_ids": st["tokens"], "sampling_logprobs": st["logprobs"],
-                                 "versions": versions, "finish_reason": c.finish_reason,
-                                 "truncated": c.finish_reason == "length" and n >= self.args.max_response_length}
+        sample = {"response_ids": st["tokens"], "sampling_logprobs": st["logprobs"],
+                  "versions": versions, "finish_reason": finish_reason,
+                  "truncated": finish_reason == "length" and n >= self.args.max_response_length}
+        if "mask" in st:  # a tool episode: versions are the sampled tokens'; the verifier reads the last turn only
+            sample.update(loss_mask=st["mask"], answer_start=st["turn_start"], tool_calls=st["calls"],
+                          tool_turns=st["turns"])
+            self.stats["episodes"] += 1
+        g["samples"][st["j"]] = sample
         g["left"] -= 1
         if g["left"] == 0:
             del self.groups[st["group"]]
@@ -694,6 +967,8 @@ class Actor:
         next_update, drain_t0 = None, None
         while not self.stop.is_set():
             self._take_prompts()
+            if self.in_tools:
+                self._continue_episodes()
             if next_update is None:
                 with contextlib.suppress(queue.Empty):
                     next_update = self.updates.get_nowait()
@@ -735,7 +1010,7 @@ class Actor:
         return self.args.inflight_updates and self.args.batching != "static"
 
     def _may_load_now(self) -> bool:
-        return self.version is None or self._loads_inflight() or not self.pending
+        return self.version is None or self._loads_inflight() or not (self.pending or self.in_tools)
 
     def _ask_for_weights(self):
         """Departure (drained updates): an engine that must drain to load asks for new weights only when it
@@ -755,7 +1030,7 @@ class Actor:
         ok = [p for p in self.waiting if admissible(p, self.version, self.release)]
         static, n = self.args.batching == "static", self.args.num_samples_per_prompt
         if static:
-            batch = ok[:self.static_batch] if not self.pending else []
+            batch = ok[:self.static_batch] if not (self.pending or self.in_tools) else []
         else:
             batch = ok[:math.ceil(max(0, self.args.max_num_seqs + n - len(self.pending)) / n)]
         if not batch:
@@ -770,23 +1045,27 @@ class Actor:
 
     def _step_engine(self):
         """One engine step (or a short sleep when nothing runs), with its occupancy and time."""
-        t = time.perf_counter()
+        t, tools_running = time.perf_counter(), bool(self.in_tools)
         if not self.engine.has_unfinished_requests():
             time.sleep(0.005)
             self.stats["idle_s"] += time.perf_counter() - t
+            self.stats["tool_window_s"] += (time.perf_counter() - t) * tools_running
             return
         running = min(len(self.pending) + (self.probe is not None), self.args.max_num_seqs)
         self.busy_since = time.monotonic()
         outs = self.engine.step()
         self.busy_since = None
         self._process(outs)
-        if self.args.batching == "static" and not self.pending and self.static_lens:  # the batch is done
-            self.stats["static_waste_sum"] += static_waste(self.static_lens)
+        if self.args.batching == "static" and not (self.pending or self.in_tools) and self.static_lens:
+            self.stats["static_waste_sum"] += static_waste(self.static_lens)  # the batch is done
             self.stats["static_waste_n"] += 1
             self.static_lens = []
         dt = time.perf_counter() - t
         self.stats["occupancy_s"] += dt * running / self.args.max_num_seqs
         self.stats["busy_s"] += dt
+        if tools_running:  # the engine's occupancy while some episode waits on its tools
+            self.stats["tool_window_s"] += dt
+            self.stats["tool_window_occupancy_s"] += dt * running / self.args.max_num_seqs
 
     def shutdown(self):
         self.stop.set()
@@ -1113,10 +1392,14 @@ class Dispatcher(threading.Thread):
              "verifier": row["verifier"], "n": n}
         if min_version is not None:
             p["min_version"] = min_version
+        if row.get("tool_names"):  # a tool episode (Actor._end_turn)
+            p["tools"] = list(row["tool_names"])
         if kind == "train" and self.args.response_length_sampler == "exponential":  # BENCHMARK ONLY (bench_infra.sh)
             mean, longest = self.args.response_length_mean, self.args.max_response_length
             p["max_tokens"] = [max(1, min(longest, int(self.length_rng.expovariate(1.0 / mean)))) for _ in range(n)]
             p["ignore_eos"] = True
+            if self.args.bench_tool_latency_s > 0:  # each turn ends at its share of the length, then the tool runs
+                p["tools"], p["bench_turns"] = ["bench_sleep"], self.args.bench_tool_turns
         return p
 
     def row(self, i: int) -> dict:
@@ -1348,7 +1631,26 @@ def load_prompts(args: Args, tokenizer) -> tuple:
     if args.eval_dataset_mixer_list:
         eval_ds, _ = load(args.eval_dataset_mixer_list, args.eval_dataset_mixer_list_splits,
                           "--eval_dataset_mixer_list")
+    check_tool_rows({"--dataset_mixer_list": train_ds, "--eval_dataset_mixer_list": eval_ds}, args)
     return train_ds, eval_ds, drops
+
+
+def check_tool_rows(datasets: dict, args: Args) -> None:
+    """Stop before any training when rows offer tools the registry lacks (the built-in `python` and
+    --tools_module's TOOLS): the model would be told of a tool whose every call fails."""
+    offered = defaultdict(Counter)
+    for flag, ds in datasets.items():
+        for names in ds["tool_names"] if ds is not None else []:
+            offered[flag].update(names or [])
+    if not any(offered.values()):
+        return
+    tools = load_tools(args)
+    missing = [f"{flag}: {name!r} ({n} rows)" for flag, names in offered.items() for name, n in names.items()
+               if name not in tools]
+    if missing:
+        raise ValueError("rows offer tools that no registered function implements (built-in: python; add yours "
+                         f"with --tools_module FILE defining TOOLS = {{name: function}}; have: "
+                         f"{', '.join(sorted(tools))}):\n  " + "\n  ".join(missing))
 
 
 def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) -> tuple[Link, Actor | None]:
@@ -1445,8 +1747,9 @@ def score_groups(groups: list[dict], counts: Counter, tokenizer, pool) -> None:
     (verifier_error/<reason>, infra_failures)."""
     from verifiers import caused_by_response
 
-    rows = [(g["verifier"], tokenizer.decode(s["response_ids"], skip_special_tokens=True), g["ground_truth"])
-            for g in groups for s in g["samples"]]
+    # a tool episode's verifier reads its last turn, the answer: not the calls, nor the tools' results
+    rows = [(g["verifier"], tokenizer.decode(s["response_ids"][s.get("answer_start", 0):], skip_special_tokens=True),
+             g["ground_truth"]) for g in groups for s in g["samples"]]
     results = iter(pool.score(rows))
     for g in groups:
         kept = []
@@ -1568,7 +1871,8 @@ class Rollouts:
         scores = [g["rewards"] for g in got if g["rewards"]]
         lens = [len(s["response_ids"]) for g in got for s in g["samples"]]
         k = args.eval_num_samples
-        return {"eval/pass@1": float(np.mean([np.mean(r) for r in scores])) if scores else 0.0,
+        episodes = [s for g in got for s in g["samples"] if "tool_turns" in s]
+        return {**(tool_metrics(episodes, Counter(), "eval/tools/") if episodes else {}),"eval/pass@1": float(np.mean([np.mean(r) for r in scores])) if scores else 0.0,
                 f"eval/pass@{k}": float(np.mean([max(r) > 0.5 for r in scores])) if scores else 0.0,
                 "eval/response_length": float(np.mean(lens)) if lens else 0.0, "eval/prompts": len(scores),
                 "eval/verifier_errors": sum(v for k, v in counts.items() if k.startswith("verifier_error/")),
@@ -1579,12 +1883,18 @@ def plan_step(batch: list[dict], args: Args, policy: Policy, num_learners: int) 
     """The step's samples with their advantages (Olmo 3 sec 4.4), split into minibatches, each packed
     into rows and the rows shared out to the learners' forward passes: [(shares, minibatch tokens)]."""
     advantages = compute_advantages([g["rewards"] for g in batch], args.advantage_normalization)
-    rows = [{"prompt_ids": g["prompt_ids"], "response_ids": s["response_ids"],
+    rows = [{"prompt_ids": g["prompt_ids"], "response_ids": s["response_ids"], "loss_mask": s.get("loss_mask"),
              "sampling_logprobs": s["sampling_logprobs"], "advantage": a}
             for g, adv in zip(batch, advantages) for s, a in zip(g["samples"], adv) if s["response_ids"]]
     minibatches = [rows[i::args.num_mini_batches] for i in range(args.num_mini_batches)]
     return [(learner_forwards(pack_rows(mb, policy.pack_length), num_learners, policy.forward_tokens),
-             sum(len(r["response_ids"]) for r in mb)) for mb in minibatches]
+             sum(trained_tokens(r) for r in mb)) for mb in minibatches]
+
+
+def trained_tokens(row: dict) -> int:
+    """A row's tokens in the loss: its response, less a tool episode's appended results (loss_mask 0)."""
+    mask = row.get("loss_mask")
+    return len(row["response_ids"]) if mask is None else sum(mask)
 
 
 def train_on(policy: Policy, minibatches: list[tuple], args: Args, num_learners: int) -> tuple[Counter, list, int]:
@@ -1695,6 +2005,25 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         m["time/weight_load"] = s["weight_apply_s"] / s["weight_loads"]
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
+    episodes = [smp for g in batch for smp in g["samples"] if "tool_turns" in smp]
+    if episodes or s["episodes"]:
+        m.update(tool_metrics(episodes, s))
+    return m
+
+
+def tool_metrics(episodes: list[dict], s: Counter, prefix: str = "tools/") -> dict:
+    """Tool episodes: turns and calls per episode (the step's kept samples), and from the engines' stats the
+    calls, errors by kind, seconds in tools, sampled vs appended tokens and occupancy while tools ran."""
+    m = {f"{prefix}episodes": len(episodes),
+         f"{prefix}turns_per_episode": float(np.mean([1 + e["tool_turns"] for e in episodes])) if episodes else 0.0,
+         f"{prefix}calls_per_episode": float(np.mean([e["tool_calls"] for e in episodes])) if episodes else 0.0}
+    if prefix == "tools/":
+        m.update({"tools/calls": s["tool_calls"], "tools/turn_limit": s["tool_turn_limit"],
+                  "time/tools": s["tool_s"], "tokens/sampled": s["sampled_tokens"],
+                  "tokens/appended": s["appended_tokens"],
+                  **{f"tools/{k[5:]}": v for k, v in s.items() if k.startswith("tool_errors_")}})
+        if s["tool_window_s"]:
+            m["perf/actor_occupancy_while_tools"] = s["tool_window_occupancy_s"] / s["tool_window_s"]
     return m
 
 

@@ -1447,6 +1447,32 @@ def code_stdio(response: str, label: Any, code_timeout: float = 5.0, code_memory
                                    "output_limit": run["statuses"].count("output_limit")})
 
 
+def python_tool(code: str, timeout: float = 5.0, memory_mb: int = 512, max_output_chars: int = 4000,
+                allow_unsandboxed_code: bool = False) -> str:
+    """grpo.py's built-in `python` tool (tool episodes): run model-written code in the code sandbox, as the code
+    verifiers do, and return what it printed: stdout, then stderr, each cut to `max_output_chars`, and how it
+    ended when not normally. Raises where no sandbox exists and allow_unsandboxed_code is off; the rollout then
+    answers the model with the error, as for any failing tool.
+
+    >>> python_tool("print(6 * 7)", allow_unsandboxed_code=True)
+    '42\\n'
+    """
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a string, not {type(code).__name__}")
+    if _refused(allow_unsandboxed_code):
+        raise RuntimeError("this machine has no sandbox for model-written code (" + sandbox_description() + ")")
+    run = run_sandboxed({"main.py": code}, [sys.executable, "main.py"], timeout=timeout, memory_mb=memory_mb,
+                        max_output=max_output_chars)
+    if run["status"] == "sandbox_error":
+        raise RuntimeError(f"sandbox error: {run['stderr'][-500:]}")
+    out = run["stdout"][:max_output_chars]
+    if run["stderr"]:
+        out += ("\n" if out and not out.endswith("\n") else "") + run["stderr"][-max_output_chars:]
+    if run["status"] != "ok":
+        out += ("\n" if out and not out.endswith("\n") else "") + f"[{run['status']}]"
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # llm_judge
 

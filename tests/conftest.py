@@ -72,12 +72,10 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
     keyed by everything that makes it: the bytes of the toy model and data it starts from, sft.py,
     chat_template.py, the arguments, and the torch / transformers versions. Any change trains it anew."""
     sft_data = os.path.join(toy_data_dir, "sft.jsonl")
-    key = _fixture_key([toy_model_dir, sft_data, os.path.join(REPO, "sft.py"), os.path.join(REPO, "chat_template.py")],
-                       SFT_FIXTURE_ARGS)
-    cache_root = os.environ.get("TEST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache",
-                                                               "olmo3-posttrain-tests"))
-    cached = os.path.join(cache_root, f"toy_sft-{key}")
-    if os.path.isfile(os.path.join(cached, "config.json")):
+    cached, store = cached_fixture_dir("toy_sft", _fixture_key(
+        [toy_model_dir, sft_data, os.path.join(REPO, "sft.py"), os.path.join(REPO, "chat_template.py")],
+        SFT_FIXTURE_ARGS))
+    if cached:
         return cached
     out = str(tmp_path_factory.mktemp("toy_sft"))
     cmd = [sys.executable, os.path.join(REPO, "sft.py"), *SFT_FIXTURE_ARGS,
@@ -85,13 +83,26 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
     # Two intra-op threads: the suite runs one process at a time here, and on two idle cores an SFT
     # step takes 0.44 s with two threads vs 0.78 s with one (the fixture: 750 steps, ~6 min).
     subprocess.run(cmd, check=True, cwd=REPO, timeout=1200, env=dict(os.environ, OMP_NUM_THREADS="2"))
-    with contextlib.suppress(OSError):  # a read-only or full cache only costs the next session the training
-        os.makedirs(cache_root, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=cache_root, prefix=".partial-")
-        shutil.copytree(out, tmp, dirs_exist_ok=True)
-        os.replace(tmp, cached)  # atomic: a concurrent or killed run never leaves a half-written model behind
-        return cached
-    return out
+    return store(out)
+
+
+def cached_fixture_dir(name: str, key: str):
+    """(the cached model directory for `name` and `key`, or None; `store(dir)`, which copies a freshly trained
+    one into the cache and returns the path to use). TEST_CACHE_DIR, default ~/.cache/olmo3-posttrain-tests."""
+    cache_root = os.environ.get("TEST_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache",
+                                                               "olmo3-posttrain-tests"))
+    cached = os.path.join(cache_root, f"{name}-{key}")
+
+    def store(out: str) -> str:
+        with contextlib.suppress(OSError):  # a read-only or full cache only costs the next session the training
+            os.makedirs(cache_root, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cache_root, prefix=".partial-")
+            shutil.copytree(out, tmp, dirs_exist_ok=True)
+            os.replace(tmp, cached)  # atomic: a concurrent or killed run never leaves a half-written model behind
+            return cached
+        return out
+
+    return (cached if os.path.isfile(os.path.join(cached, "config.json")) else None), store
 
 
 def _fixture_key(paths: list[str], args: list[str]) -> str:

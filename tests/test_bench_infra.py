@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "bench_infra.sh")
 
 
-def _write_run(root, name, summary, steps):
+def _write_run(root, name, summary, steps, **step_metrics):
     """A finished grpo.py output directory: summary.json and metrics.jsonl (train steps only)."""
     d = os.path.join(root, name)
     os.makedirs(d)
@@ -29,7 +29,7 @@ def _write_run(root, name, summary, steps):
                                 "train/trained_tokens": 100,
                                 "perf/actor_tokens_per_s": 100.0 + i, "perf/learner_tokens_per_s": 50.0,
                                 "perf/peak_source": "measured on cpu: fp32 matmul 1024^3 and a 64 MiB copy "
-                                                    "(read+write)"}) + "\n")
+                                                    "(read+write)", **step_metrics}) + "\n")
 
 
 def _summary(gen, occ, step_s, sync_s, steps=3, waste=None):
@@ -119,6 +119,21 @@ def test_report_compares_colocated_with_torchrun(tmp_path):
     assert res["context"]["colocated_vs_torchrun_steps_per_min"] == pytest.approx(12.0 / 10.0)
 
 
+def test_report_puts_the_tool_run_beside_the_no_tool_run(tmp_path):
+    """tools_inflight is context, not a target: its engines wait on tools by design."""
+    _write_run(tmp_path, "continuous_inflight", _summary(200.0, 0.97, 6.0, 0.1),
+               [(4.0, 100, 200), (10.0, 100, 200), (16.0, 100, 200)])
+    _write_run(tmp_path, "tools_inflight", _summary(150.0, 0.40, 6.0, 0.1),
+               [(4.0, 300, 600), (10.0, 300, 600), (16.0, 300, 600)], **{"perf/actor_occupancy_while_tools": 0.25})
+    p = _report(tmp_path)
+    assert p.returncode == 0, p.stderr + p.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["context"]["tools_vs_no_tools_gen"] == pytest.approx(0.75)
+    assert res["context"]["occupancy_while_tools"] == pytest.approx(0.25)
+    assert res["targets"]["occupancy_inflight"]["measured"] == pytest.approx(0.97)  # the tool run's 40% not in it
+    assert "kept_length_spread" not in res["targets"]  # nor its lengths, which hold the tools' results
+
+
 def test_report_without_runs_fails_clearly(tmp_path):
     p = _report(tmp_path)
     assert p.returncode != 0 and "no finished runs" in p.stderr
@@ -132,8 +147,11 @@ def test_unknown_argument_is_refused():
 @pytest.mark.slow
 def test_one_short_real_run(toy_model_dir, tmp_path):
     """One configuration, 2 steps of 4 prompts x 2 samples, 64 tokens: the script's run + report path
-    on real grpo.py output (the full three-way benchmark is the script itself, never a timed test)."""
-    env = dict(os.environ, PYTHON=sys.executable, MODEL=toy_model_dir, CONFIGS="continuous_inflight", STEPS="2",
+    on real grpo.py output (the full three-way benchmark is the script itself, never a timed test). The
+    configuration is continuous_inflight with tool calls (tools_inflight): every request runs as a tool
+    episode of three turns with two 0.2 s calls between them."""
+    env = dict(os.environ, PYTHON=sys.executable, MODEL=toy_model_dir, CONFIGS="tools_inflight", STEPS="2",
+               TOOL_LATENCY_S="0.2", TOOL_TURNS="2",
                PROMPTS_PER_STEP="4", SAMPLES_PER_PROMPT="2", MAX_RESPONSE_LENGTH="64", MAX_PROMPT_LENGTH="64",
                RESULTS_DIR=str(tmp_path / "res"), CACHE_DIR=str(tmp_path / "cache"), VLLM_CPU_KVCACHE_SPACE="1")
     p = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
@@ -145,4 +163,10 @@ def test_one_short_real_run(toy_model_dir, tmp_path):
     settings = (tmp_path / "res" / "settings.txt").read_text()
     assert "FLOP/s" in settings and "every configuration divides by these" in settings  # measured once, passed on
     assert row["peak_source"].startswith("given")
-    assert (tmp_path / "res" / "run_continuous_inflight.log").exists()
+    assert (tmp_path / "res" / "run_tools_inflight.log").exists()
+    with open(tmp_path / "res" / "tools_inflight" / "metrics.jsonl") as f:
+        steps = [m for m in map(json.loads, f) if m.get("kind") == "train"]
+    # every kept sample made its two calls; the engines decoded while the tools ran
+    assert all(m["tools/calls_per_episode"] == 2 and m["tools/turns_per_episode"] == 3 for m in steps)
+    assert all(m["time/tools"] > 0 and m["tokens/appended"] > 0 for m in steps)
+    assert 0 < row["occupancy_while_tools"] <= 1.0
