@@ -588,19 +588,19 @@ def tool_trace(expr: str, answer: int) -> list[dict]:
             {"role": "assistant", "content": "\\boxed{" + str(answer) + "}"}]
 
 
-def generate_tool_data(seed: int = 0, num_sft: int = 3000, num_rlvr: int = 2000, num_eval: int = 200,
-                       min_digits: int = 4, max_digits: int = 7, teacher_tool_rates: tuple[float, float] = (0.25, 0.75),
-                       sft_notools_fraction: float = 0.2) -> dict:
+def generate_tool_data(seed: int = 0, num_sft: int = 4000, num_rlvr: int = 2000, num_eval: int = 200,
+                       min_digits: int = 4, max_digits: int = 7, teacher_tool_rates: tuple[float, float] = (0.5, 1.0),
+                       sft_notools_fraction: float = 0.5) -> dict:
     """The tool task's splits as lists of rows: sft_tools, rlvr_tools, rlvr_notools, eval_tools, eval_notools.
 
     Every problem has two or three operands and is drawn distinct (collisions are rare at these sizes, but an
     eval problem must never be trained on). SFT traces come from a teacher that, offered the calculator, calls it
     with probability teacher_tool_rates[0] on two-operand problems and [1] on three-operand ones, and otherwise
-    boxes its estimate (`estimate`); a fraction sft_notools_fraction of the SFT rows offers no tool and boxes the
-    estimate. Because the rate depends on the problem, greedy decoding after SFT calls the tool on
-    three-operand problems and guesses on two-operand ones, and sampling still calls it sometimes on those:
-    that is what RL with the tool has to reinforce. RLVR and eval rows are the same problems with and without
-    the tool (`tools` absent), answers true."""
+    restates the problem and boxes its estimate (`guess_text`); a fraction sft_notools_fraction of the SFT rows
+    offers no tool, and there it always guesses. Because the rate depends on the problem, greedy decoding after
+    SFT calls the tool on every three-operand problem and on some two-operand ones (a quarter, in one
+    measurement), and sampling calls it on about half of those: that is what RL with the tool has to reinforce.
+    RLVR and eval rows are the same problems with and without the tool (`tools` absent), answers true."""
     rng = random.Random(seed)
     total = num_sft + num_rlvr + num_eval
     seen, problems = set(), []
@@ -670,25 +670,24 @@ def parse_calls(block: str) -> list[tuple[str, dict]]:
     return calls
 
 
-def run_calls(block: str, tools: dict, offered: set) -> tuple[str, int, str | None]:
-    """The environment's answer to one `<function_calls>` block: each call's result (or its error), one a
-    line; the number of calls; the kind of the first error (malformed, unknown_tool, exception) or None."""
+def run_calls(block: str, tools: dict, offered: set) -> list[tuple[str, str | None]]:
+    """The environment's answers to one `<function_calls>` block, as grpo.py's episodes give them: per call its
+    result or an error text, and the error's kind (malformed, unknown_tool, exception) or None. A block that does
+    not parse is one malformed call."""
     try:
         calls = parse_calls(block)
     except ValueError as e:
-        return f"error: {e}", 0, "malformed"
-    results, error = [], None
+        return [(f"error: {e}", "malformed")]
+    answers = []
     for name, args in calls:
         if name not in offered or name not in tools:
-            results.append(f"error: no tool named {name!r}")
-            error = error or "unknown_tool"
+            answers.append((f"error: no tool named {name!r}", "unknown_tool"))
             continue
         try:
-            results.append(str(tools[name](**args)))
+            answers.append((str(tools[name](**args)), None))
         except Exception as e:  # noqa: BLE001 - the model's call failing is an answer, not a crash
-            results.append(f"error: {e}")
-            error = error or "exception"
-    return "\n".join(results), len(calls), error
+            answers.append((f"error: {type(e).__name__}: {e}", "exception"))
+    return answers
 
 
 def tool_episodes(model, tokenizer, rows: list[dict], max_new_tokens: int = 48, max_tool_turns: int = 5,
@@ -735,13 +734,13 @@ def tool_episodes(model, tokenizer, rows: list[dict], max_new_tokens: int = 48, 
                 if e["tool_turns"] == max_tool_turns:
                     e["errors"].append("max_tool_turns")
                     continue
-                result, calls, error = run_calls(block.group(1), tools, e["offered"])
-                e["calls"] += calls
+                answers = run_calls(block.group(1), tools, e["offered"])
+                e["calls"] += len(answers)
                 e["tool_turns"] += 1
-                if error:
-                    e["errors"].append(error)
-                e["ids"] = e["ids"] + tokenizer.encode(
-                    f"\n<|im_start|>environment\n{result}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+                e["errors"] += [kind for _, kind in answers if kind]
+                # each result its own environment turn, as the template renders `tool` messages
+                appended = "".join(f"\n<|im_start|>environment\n{text}<|im_end|>" for text, _ in answers)
+                e["ids"] = e["ids"] + tokenizer.encode(appended + "\n<|im_start|>assistant\n", add_special_tokens=False)
                 still.append(i)
         active = still
     return episodes
@@ -879,15 +878,15 @@ def main():
                                                    "rlvr_tools / rlvr_notools, eval_tools / eval_notools")
     p_tool_data.add_argument("out_dir")
     p_tool_data.add_argument("--seed", type=int, default=0)
-    p_tool_data.add_argument("--num_sft", type=int, default=3000)
+    p_tool_data.add_argument("--num_sft", type=int, default=4000)
     p_tool_data.add_argument("--num_rlvr", type=int, default=2000)
     p_tool_data.add_argument("--num_eval", type=int, default=200)
     p_tool_data.add_argument("--min_digits", type=int, default=4, help="digits of the smallest operands")
     p_tool_data.add_argument("--max_digits", type=int, default=7, help="digits of the largest operands")
-    p_tool_data.add_argument("--teacher_tool_rates", type=float, nargs=2, default=(0.25, 0.75), metavar=("TWO", "THREE"),
+    p_tool_data.add_argument("--teacher_tool_rates", type=float, nargs=2, default=(0.5, 1.0), metavar=("TWO", "THREE"),
                              help="probability that the SFT teacher, offered the calculator, calls it on problems "
                                   "with two / three operands (otherwise it boxes an estimate)")
-    p_tool_data.add_argument("--sft_notools_fraction", type=float, default=0.2,
+    p_tool_data.add_argument("--sft_notools_fraction", type=float, default=0.5,
                              help="SFT rows that offer no tool (the teacher boxes its estimate)")
     p_tool_eval = sub.add_parser("tool_eval", help="greedy multi-turn accuracy and tool calls of a model on a tool "
                                                    "eval JSONL (e.g. OUT_DIR/eval_tools.jsonl)")

@@ -367,7 +367,7 @@ def test_tool_data_is_deterministic_held_out_and_answered(tmp_path):
     assert filecmp.cmp(os.path.join(a, "eval_tools.jsonl"), os.path.join(b, "eval_tools.jsonl"), shallow=False)
 
 
-def test_tool_sft_traces_call_the_tool_more_on_three_operands_and_otherwise_guess():
+def test_tool_sft_traces_call_the_tool_always_on_three_operands_half_the_time_on_two():
     rows = toy.generate_tool_data(seed=0, num_sft=4000, num_rlvr=0, num_eval=0)["sft_tools"]
     calls = collections.Counter()
     offered = collections.Counter()
@@ -386,8 +386,8 @@ def test_tool_sft_traces_call_the_tool_more_on_three_operands_and_otherwise_gues
             assert final == {"role": "assistant", "content": f"\\boxed{{{answer}}}"}
             calls[operands] += 1
         offered[operands] += row["tools"] is not None
-    assert abs(sum(offered.values()) / len(rows) - 0.8) < 0.03
-    assert abs(calls[2] / offered[2] - 0.25) < 0.04 and abs(calls[3] / offered[3] - 0.75) < 0.04, (calls, offered)
+    assert abs(sum(offered.values()) / len(rows) - 0.5) < 0.03
+    assert abs(calls[2] / offered[2] - 0.5) < 0.04 and calls[3] == offered[3], (calls, offered)
     # a guess is almost never right: without the tool the task is out of reach
     assert toy.estimate("48213+90127") == 138000
     assert sum(toy.estimate(tool_expression(r)) == evaluate_expression(tool_expression(r)) for r in rows) < 0.01 * len(rows)
@@ -433,8 +433,9 @@ class ScriptedModel:
     """Stands in for a model in `toy.tool_episodes`: it calls the calculator on the expression in the user turn
     (once, or `calls` times in a row), then boxes the last environment result; `hand_off` ends a call turn."""
 
-    def __init__(self, tokenizer, calls=1, hand_off="<|im_end|>", expression=None):
+    def __init__(self, tokenizer, calls=1, hand_off="<|im_end|>", expression=None, extra_call=""):
         self.tokenizer, self.calls, self.hand_off, self.expression = tokenizer, calls, hand_off, expression
+        self.extra_call = extra_call  # e.g. "\nweather(city=\"Paris\")": a second call in the same block
         self.contexts = []
 
     def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, do_sample):
@@ -448,7 +449,8 @@ class ScriptedModel:
             results = re.findall(r"<\|im_start\|>environment\n(.*?)<\|im_end\|>", text)
             if len(results) < self.calls:
                 expr = self.expression or expression_of(text.split("<|im_start|>user\n")[1])
-                turn = f'<function_calls>calculator(expression="{expr}")</function_calls>{self.hand_off}'
+                call = f'calculator(expression="{expr}")'
+                turn = f"<function_calls>{call}{self.extra_call}</function_calls>{self.hand_off}"
             else:
                 turn = "\\boxed{" + (results[-1] if results else "0") + "}<|endoftext|>"
             new = self.tokenizer.encode(turn, add_special_tokens=False)[:max_new_tokens]
@@ -460,6 +462,7 @@ class ScriptedModel:
 def test_tool_episodes_run_the_calculator_and_append_its_result_as_tokens(toy_model_dir):
     from transformers import AutoTokenizer
 
+    import chat_template
     from chat_template import tokenize_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
@@ -487,6 +490,19 @@ def test_tool_episodes_run_the_calculator_and_append_its_result_as_tokens(toy_mo
     # a call the calculator refuses gets its error as the result, and the episode goes on
     bad = toy.tool_episodes(ScriptedModel(tokenizer, expression="2**8"), tokenizer, rows[:1])[0]
     assert bad["calls"] == 1 and bad["errors"] == ["exception"] and bad["turns"][-1].startswith("\\boxed{error")
+    # two calls in one turn: two environment turns, as the template renders two `tool` messages; a tool the row
+    # does not offer is answered with an error
+    two = toy.tool_episodes(ScriptedModel(tokenizer, extra_call='\nweather(city="Paris")'), tokenizer, rows[:1],
+                         max_new_tokens=96)[0]
+    assert two["calls"] == 2 and two["tool_turns"] == 1 and two["errors"] == ["unknown_tool"]
+    expr, answer = tool_expression(rows[0]), rows[0]["ground_truth"]
+    rendered = chat_template.render(rows[0]["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "calculator", "arguments": {"expression": expr}}},
+            {"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": answer}, {"role": "tool", "content": "error: no tool named 'weather'"},
+        {"role": "assistant", "content": "\\boxed{error: no tool named 'weather'}"}], tools=rows[0]["tools"])  # the script boxes the last result
+    assert two["ids"] == tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_tool_eval_runs_on_the_toy_model_and_counts_calls(toy_model_dir, tmp_path, monkeypatch):
