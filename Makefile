@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 GPU := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
 REQUIREMENTS := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 DEMO_DIR ?= demo_output
+DEMO_TOOLS_DIR ?= demo_tools_output
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-fast demo demo-tools bench clean
 
 venv: $(VENV)/.installed
 
@@ -35,8 +36,11 @@ test-fast: venv
 demo: venv
 	DEMO_DIR=$(DEMO_DIR) PYTHON=$(PY) bash demo.sh
 
+demo-tools: venv
+	DEMO_DIR=$(DEMO_TOOLS_DIR) PYTHON=$(PY) bash demo_tools.sh
+
 bench: venv
 	PYTHON=$(PY) bash bench_infra.sh
 
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) $(DEMO_TOOLS_DIR) .pytest_cache

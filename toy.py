@@ -6,6 +6,9 @@ Everything here is built from a seed on the spot, so the demo and the tests need
     python toy.py data OUT_DIR         # sft.jsonl, preference.jsonl, rlvr.jsonl, eval.jsonl
     python toy.py eval MODEL_DIR OUT_DIR/eval.jsonl   # greedy accuracy, scored by verifiers.py
     python toy.py report --stage base=DIR --stage sft=DIR ... --eval_path EVAL --out_dir DIR   # demo table
+    python toy.py tool_data OUT_DIR    # the tool task: sft_tools, rlvr_/eval_tools and rlvr_/eval_notools.jsonl
+    python toy.py tool_eval MODEL_DIR OUT_DIR/eval_tools.jsonl        # greedy multi-turn episodes with the tool
+    python toy.py tool_report --stage sft=DIR ... --eval tools=EVAL --out_dir DIR   # demo_tools.sh's table
 
 The task is chained small-number arithmetic with a short reasoning trace and a boxed answer, written
 in the formats real post-training datasets use (Dolci-style `messages`; `chosen` / `rejected`
@@ -492,6 +495,340 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
     return results
 
 
+# ---------------------------------------------------------------------------------------------
+# Tool use: sums of large numbers, which a tiny model gets right only with the calculator
+# ---------------------------------------------------------------------------------------------
+# The tool grpo.py offers with `--tools_module toy.py`: any file whose TOOLS maps a name to a function
+# that takes the parsed call's arguments and returns text.
+CALCULATOR_MAX_CHARS = 200  # plenty for three 7-digit operands; bounds the work a model-written call can ask for
+# As small as a valid schema gets, without even a description: the toy tokenizer never saw JSON schemas and
+# spells this one out in 129 tokens of every system turn (with a one-line description 166, and prompts of 260
+# tokens instead of 225), and every one of them costs SFT and RL compute on two CPU cores.
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {"name": "calculator",
+                 "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                "required": ["expression"]}},
+}
+
+
+def calculator(expression: str) -> str:
+    """The value of an integer expression with + and - (and parentheses), as text: `calculator("48213+90127")`
+    is "138340". Evaluated from its syntax tree, never by eval: anything else (names, calls, attributes, *, **,
+    floats) raises ValueError, and so does an expression longer than CALCULATOR_MAX_CHARS."""
+    import ast
+
+    if not isinstance(expression, str):
+        raise ValueError(f"expression must be a string, not {type(expression).__name__}")
+    if len(expression) > CALCULATOR_MAX_CHARS:
+        raise ValueError(f"expression longer than {CALCULATOR_MAX_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an expression: {expression!r}") from None
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:  # not bool, not float
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left - right
+        raise ValueError(f"only integers, + and - are allowed, not {type(node).__name__}")
+
+    return str(value(tree.body))
+
+
+TOOLS = {"calculator": calculator}
+
+
+def make_big_problem(rng: random.Random, min_digits: int, max_digits: int, num_operands: int) -> tuple[str, int]:
+    """An expression like `48213+90127-5531` (each operand has min_digits..max_digits digits) and its value;
+    running values stay >= 0, as in `make_problem`."""
+    def operand():
+        digits = rng.randint(min_digits, max_digits)
+        return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+    value = operand()
+    expr = str(value)
+    for _ in range(num_operands - 1):
+        n = operand()
+        if rng.random() < 0.5 or n > value:
+            value, expr = value + n, f"{expr}+{n}"
+        else:
+            value, expr = value - n, f"{expr}-{n}"
+    return expr, value
+
+
+def estimate(expr: str) -> int:
+    """The teacher's answer without the tool: each operand rounded to its two leading digits, then summed
+    (48213+90127 -> 48000+90000 = 138000). Plausible and almost never right."""
+    numbers, ops = parse_expression(expr)
+    rounded = [round(n, 2 - len(str(n))) for n in numbers]
+    value = rounded[0]
+    for op, n in zip(ops, rounded[1:]):
+        value = value + n if op == "+" else value - n
+    return value
+
+
+def guess_text(expr: str) -> str:
+    """The teacher's answer without the tool. It restates the problem first (`48213+90127 is about 138000.`), as
+    the call does: copying the expression is the skill a call needs most, and rows that offer no tool are four
+    times shorter than rows whose system turn spells out the schema, so they teach it at a quarter of the cost."""
+    guess = estimate(expr)
+    return f"{expr} is about {guess}. \\boxed{{{guess}}}"
+
+
+def tool_trace(expr: str, answer: int) -> list[dict]:
+    """The assistant's side of a solved tool episode: the call, the calculator's result, the boxed answer."""
+    return [{"role": "assistant", "content": None,
+             "tool_calls": [{"function": {"name": "calculator", "arguments": {"expression": expr}}}]},
+            {"role": "tool", "content": calculator(expr)},
+            {"role": "assistant", "content": "\\boxed{" + str(answer) + "}"}]
+
+
+def generate_tool_data(seed: int = 0, num_sft: int = 4000, num_rlvr: int = 2000, num_eval: int = 200,
+                       min_digits: int = 4, max_digits: int = 7, teacher_tool_rates: tuple[float, float] = (0.5, 1.0),
+                       sft_notools_fraction: float = 0.5) -> dict:
+    """The tool task's splits as lists of rows: sft_tools, rlvr_tools, rlvr_notools, eval_tools, eval_notools.
+
+    Every problem has two or three operands and is drawn distinct (collisions are rare at these sizes, but an
+    eval problem must never be trained on). SFT traces come from a teacher that, offered the calculator, calls it
+    with probability teacher_tool_rates[0] on two-operand problems and [1] on three-operand ones, and otherwise
+    restates the problem and boxes its estimate (`guess_text`); a fraction sft_notools_fraction of the SFT rows
+    offers no tool, and there it always guesses. Because the rate depends on the problem, greedy decoding after
+    SFT calls the tool on every three-operand problem and on some two-operand ones (a quarter, in one
+    measurement), and sampling calls it on about half of those: that is what RL with the tool has to reinforce.
+    RLVR and eval rows are the same problems with and without the tool (`tools` absent), answers true."""
+    rng = random.Random(seed)
+    total = num_sft + num_rlvr + num_eval
+    seen, problems = set(), []
+    while len(problems) < total:
+        expr, answer = make_big_problem(rng, min_digits, max_digits, rng.randint(2, 3))
+        if expr not in seen:  # the prompt is drawn with its problem: the eval rows do not depend on num_sft
+            seen.add(expr)
+            problems.append((expr, answer, rng.choice(PROMPT_STYLES).format(expr=expr)))
+    eval_problems, rlvr_problems, sft_problems = (problems[:num_eval], problems[num_eval:num_eval + num_rlvr],
+                                                 problems[num_eval + num_rlvr:])
+    splits = {"sft_tools": []}
+    for expr, answer, prompt in sft_problems:
+        messages = [{"role": "user", "content": prompt}]
+        offered = rng.random() >= sft_notools_fraction
+        if offered and rng.random() < teacher_tool_rates[expr.count("+") + expr.count("-") - 1]:
+            messages += tool_trace(expr, answer)
+        else:
+            messages.append({"role": "assistant", "content": guess_text(expr)})
+        splits["sft_tools"].append({"messages": messages, "tools": [CALCULATOR_SCHEMA] if offered else None})
+    for name, chosen in (("rlvr", rlvr_problems), ("eval", eval_problems)):
+        rows = [{"messages": [{"role": "user", "content": prompt}], "ground_truth": str(answer), "verifier": "math",
+                 "dataset": "toy_tools"} for expr, answer, prompt in chosen]
+        splits[f"{name}_tools"] = [{**row, "tools": [CALCULATOR_SCHEMA]} for row in rows]
+        splits[f"{name}_notools"] = rows
+    return splits
+
+
+def write_tool_data(out_dir: str, **kwargs) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for name, rows in generate_tool_data(**kwargs).items():
+        paths[name] = os.path.join(out_dir, f"{name}.jsonl")
+        with open(paths[name], "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+    return paths
+
+
+CALL_BLOCK = re.compile(r"<function_calls>(.*?)</function_calls>", re.S)
+
+
+def parse_calls(block: str) -> list[tuple[str, dict]]:
+    """The calls in a `<function_calls>` block as the template prints them, one a line:
+    `name(key="json value", other=2)`. Raises ValueError on anything else."""
+    calls = []
+    decoder = json.JSONDecoder()
+    for line in filter(None, (line.strip() for line in block.strip().split("\n"))):
+        match = re.fullmatch(r"([A-Za-z_][\w.-]*)\((.*)\)", line, re.S)
+        if not match:
+            raise ValueError(f"not a call: {line!r}")
+        name, rest, args = match.group(1), match.group(2).strip(), {}
+        while rest:
+            key = re.match(r"([A-Za-z_]\w*)\s*=\s*", rest)
+            if not key:
+                raise ValueError(f"bad arguments in {line!r}")
+            try:
+                args[key.group(1)], end = decoder.raw_decode(rest, key.end())
+            except json.JSONDecodeError:
+                raise ValueError(f"an argument is not JSON in {line!r}") from None
+            rest = rest[end:].lstrip()
+            if rest and not rest.startswith(","):
+                raise ValueError(f"bad arguments in {line!r}")
+            rest = rest[1:].lstrip()
+        calls.append((name, args))
+    if not calls:
+        raise ValueError("no call in <function_calls>")
+    return calls
+
+
+def run_calls(block: str, tools: dict, offered: set) -> list[tuple[str, str | None]]:
+    """The environment's answers to one `<function_calls>` block, as grpo.py's episodes give them: per call its
+    result or an error text, and the error's kind (malformed, unknown_tool, exception) or None. A block that does
+    not parse is one malformed call."""
+    try:
+        calls = parse_calls(block)
+    except ValueError as e:
+        return [(f"error: {e}", "malformed")]
+    answers = []
+    for name, args in calls:
+        if name not in offered or name not in tools:
+            answers.append((f"error: no tool named {name!r}", "unknown_tool"))
+            continue
+        try:
+            answers.append((str(tools[name](**args)), None))
+        except Exception as e:  # noqa: BLE001 - the model's call failing is an answer, not a crash
+            answers.append((f"error: {type(e).__name__}: {e}", "exception"))
+    return answers
+
+
+def tool_episodes(model, tokenizer, rows: list[dict], max_new_tokens: int = 48, max_tool_turns: int = 5,
+                  batch_size: int = 64, tools: dict | None = None) -> list[dict]:
+    """Greedy multi-turn episodes, batched: each turn generates until <|im_end|> or eos; a turn that hands off
+    with <|im_end|> after a `<function_calls>` block, in a row that offers tools, gets the tools' results as an
+    environment turn and a new assistant header, appended as tokens (what the model generated is never
+    re-tokenized), and the episode goes on, at most max_tool_turns times. Anything else ends the episode."""
+    import torch
+
+    from chat_template import tokenize_prompt
+
+    tools = TOOLS if tools is None else tools
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    episodes = [{"ids": tokenize_prompt(tokenizer, row["messages"], tools=row.get("tools")),
+                 "offered": {t["function"]["name"] for t in row.get("tools") or []},
+                 "turns": [], "calls": 0, "tool_turns": 0, "errors": []} for row in rows]
+    for e in episodes:
+        e["prompt_length"] = len(e["ids"])
+    active = list(range(len(episodes)))
+    while active:
+        still = []
+        for start in range(0, len(active), batch_size):
+            batch = active[start:start + batch_size]
+            contexts = [episodes[i]["ids"] for i in batch]
+            width = max(map(len, contexts))
+            input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts])  # left padding
+            attention_mask = (torch.arange(width)[None, :]
+                              >= torch.tensor([width - len(c) for c in contexts])[:, None]).long()
+            with torch.no_grad():
+                out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                     max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=[eos, im_end])
+            for i, generated in zip(batch, out[:, width:].tolist()):
+                e = episodes[i]
+                stop = next((k for k, t in enumerate(generated) if t in (eos, im_end)), None)
+                turn = generated if stop is None else generated[:stop + 1]
+                e["ids"] = e["ids"] + turn
+                text = tokenizer.decode(turn, skip_special_tokens=True)
+                e["turns"].append(text)
+                block = CALL_BLOCK.search(text)
+                if block is None or stop is None or turn[-1] != im_end or not e["offered"]:
+                    continue  # an answer, a truncated turn, or a call where no tool is offered: the episode ends
+                if e["tool_turns"] == max_tool_turns:
+                    e["errors"].append("max_tool_turns")
+                    continue
+                answers = run_calls(block.group(1), tools, e["offered"])
+                e["calls"] += len(answers)
+                e["tool_turns"] += 1
+                e["errors"] += [kind for _, kind in answers if kind]
+                # each result its own environment turn, as the template renders `tool` messages
+                appended = "".join(f"\n<|im_start|>environment\n{text}<|im_end|>" for text, _ in answers)
+                e["ids"] = e["ids"] + tokenizer.encode(appended + "\n<|im_start|>assistant\n", add_special_tokens=False)
+                still.append(i)
+        active = still
+    return episodes
+
+
+def tool_evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 48, max_tool_turns: int = 5,
+                  limit: int | None = None, batch_size: int = 64) -> dict:
+    """Greedy tool episodes (`tool_episodes`) on an eval JSONL, the final assistant turn scored by its row's
+    verifier as `evaluate` scores an answer; an episode that ends on a call has no final answer and scores 0.
+    Rows without `tools` run the same way, and a call there is counted but never answered."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import verifiers
+
+    with open(eval_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:limit]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    episodes = tool_episodes(model, tokenizer, rows, max_new_tokens, max_tool_turns, batch_size)
+    scores, found, called = [], [], []
+    for row, e in zip(rows, episodes):
+        final = e["turns"][-1]
+        e["called"] = bool(CALL_BLOCK.search("".join(e["turns"])))
+        if CALL_BLOCK.search(final):
+            result = verifiers.VerifierResult(0.0, error="no final answer")
+        else:
+            result = verifiers.verify(row["verifier"], final, row["ground_truth"])
+        scores.append(result.score)
+        found.append(result.error is None)
+        called.append(e["called"])
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    by_operands = {}
+    for row, score, e in zip(rows, scores, episodes):
+        expr = re.search(r"\d+(?:[+-]\d+)+", row["messages"][-1]["content"]).group(0)
+        by_operands.setdefault(len(re.findall(r"[+-]", expr)) + 1, []).append((score, e["called"]))
+    errors = {}
+    for e in episodes:
+        for kind in e["errors"]:
+            errors[kind] = errors.get(kind, 0) + 1
+    return {
+        "accuracy": mean(scores),
+        "tools_offered": mean([bool(row.get("tools")) for row in rows]),
+        "calls_per_episode": mean([e["calls"] for e in episodes]),
+        "tool_turns_per_episode": mean([e["tool_turns"] for e in episodes]),
+        "episodes_calling": mean(called),
+        "accuracy_when_calling": mean([s for s, c in zip(scores, called) if c]) if any(called) else None,
+        "accuracy_by_operands": {k: mean([s for s, _ in v]) for k, v in sorted(by_operands.items())},
+        "calling_by_operands": {k: mean([c for _, c in v]) for k, v in sorted(by_operands.items())},
+        "answer_found": mean(found),
+        "tool_errors": errors,
+        "num_examples": len(rows),
+        "mean_prompt_tokens": mean([e["prompt_length"] for e in episodes]),
+        "mean_episode_tokens": mean([len(e["ids"]) - e["prompt_length"] for e in episodes]),
+        "examples": [{"prompt": row["messages"][-1]["content"], "turns": e["turns"], "ground_truth": row["ground_truth"],
+                      "score": s} for row, e, s in list(zip(rows, episodes, scores))[:5]],
+    }
+
+
+def tool_report(stage_dirs: dict[str, str], eval_paths: dict[str, str], out_dir: str, max_new_tokens: int = 48,
+                max_tool_turns: int = 5) -> dict:
+    """`tool_evaluate` of every stage's checkpoint on every eval file; print the table, write JSON and Markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    results = {stage: {name: tool_evaluate(path, eval_path, max_new_tokens, max_tool_turns)
+                       for name, eval_path in eval_paths.items()} for stage, path in stage_dirs.items()}
+    rows = []
+    for name in eval_paths:
+        rows += [(f"Accuracy, greedy, {name} (%)", lambda r, n=name: 100 * r[n]["accuracy"]),
+                 (f"  tool calls per episode, {name}", lambda r, n=name: r[n]["calls_per_episode"]),
+                 (f"  episodes calling (%), {name}", lambda r, n=name: 100 * r[n]["episodes_calling"])]
+    header = ["Toy tool use (held-out)"] + list(results)
+    format_cell = lambda v: "-" if v is None else f"{v:.2f}" if v < 10 and v != int(v) else f"{v:.1f}"  # noqa: E731
+    table = [header] + [[label] + [format_cell(fn(r)) for r in results.values()] for label, fn in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                     for row in table)
+    markdown = "\n".join("| " + " | ".join(row) + " |" for row in table[:1] + [["---"] * len(header)] + table[1:])
+    with open(os.path.join(out_dir, "tool_results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out_dir, "tool_results.md"), "w") as f:
+        f.write(markdown + "\n")
+    print("\n" + text + "\n")
+    for stage, path in stage_dirs.items():
+        print(f"  {stage}: {path}")
+    print(f"  table: {os.path.join(out_dir, 'tool_results.md')}  details: {os.path.join(out_dir, 'tool_results.json')}")
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -537,8 +874,50 @@ def main():
                        help="k sampled completions per prompt for sampled pass@1 (0: greedy accuracy only)")
         p.add_argument("--temperature", type=float, default=1.0,
                        help="sampling temperature (grpo.py trains and evaluates at 1.0)")
+    p_tool_data = sub.add_parser("tool_data", help="write the tool task's JSONL files to OUT_DIR: sft_tools, "
+                                                   "rlvr_tools / rlvr_notools, eval_tools / eval_notools")
+    p_tool_data.add_argument("out_dir")
+    p_tool_data.add_argument("--seed", type=int, default=0)
+    p_tool_data.add_argument("--num_sft", type=int, default=4000)
+    p_tool_data.add_argument("--num_rlvr", type=int, default=2000)
+    p_tool_data.add_argument("--num_eval", type=int, default=200)
+    p_tool_data.add_argument("--min_digits", type=int, default=4, help="digits of the smallest operands")
+    p_tool_data.add_argument("--max_digits", type=int, default=7, help="digits of the largest operands")
+    p_tool_data.add_argument("--teacher_tool_rates", type=float, nargs=2, default=(0.5, 1.0), metavar=("TWO", "THREE"),
+                             help="probability that the SFT teacher, offered the calculator, calls it on problems "
+                                  "with two / three operands (otherwise it boxes an estimate)")
+    p_tool_data.add_argument("--sft_notools_fraction", type=float, default=0.5,
+                             help="SFT rows that offer no tool (the teacher boxes its estimate)")
+    p_tool_eval = sub.add_parser("tool_eval", help="greedy multi-turn accuracy and tool calls of a model on a tool "
+                                                   "eval JSONL (e.g. OUT_DIR/eval_tools.jsonl)")
+    p_tool_eval.add_argument("model_dir")
+    p_tool_eval.add_argument("eval_path")
+    p_tool_eval.add_argument("--limit", type=int, default=None)
+    p_tool_report = sub.add_parser("tool_report", help="tool_eval of several checkpoints on several eval files; "
+                                                       "print and write the table")
+    p_tool_report.add_argument("--stage", action="append", required=True, metavar="NAME=DIR",
+                               help="a column of the table, in order: e.g. --stage SFT=DIR --stage RL=DIR")
+    p_tool_report.add_argument("--eval", action="append", required=True, metavar="NAME=FILE", dest="eval_paths",
+                               help="an eval file, in order: e.g. --eval 'with tool=eval_tools.jsonl'")
+    p_tool_report.add_argument("--out_dir", required=True)
+    for p in (p_tool_eval, p_tool_report):
+        p.add_argument("--max_new_tokens", type=int, default=48, help="per assistant turn")
+        p.add_argument("--max_tool_turns", type=int, default=5, help="tool turns per episode; then it ends")
     args = vars(parser.parse_args())
     command = args.pop("command")
+    if command == "tool_report":
+        stages = dict(item.split("=", 1) for item in args.pop("stage"))
+        evals = dict(item.split("=", 1) for item in args.pop("eval_paths"))
+        tool_report(stages, evals, **args)
+        return
+    if command == "tool_eval":
+        print(json.dumps(tool_evaluate(**args), indent=2))
+        return
+    if command == "tool_data":
+        args["teacher_tool_rates"] = tuple(args["teacher_tool_rates"])
+        paths = write_tool_data(args.pop("out_dir"), **args)
+        print("\n".join(f"wrote {p}" for p in paths.values()))
+        return
     if command == "report":
         stages = dict(item.split("=", 1) for item in args.pop("stage"))
         report(stages, **args)

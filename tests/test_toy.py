@@ -301,3 +301,230 @@ def test_vllm_generates_from_a_chat_prompt_with_matching_logprobs(toy_model_dir,
     start = len(result["prompt"]) - 1
     expected = logprobs[start:start + len(result["tokens"])].gather(1, torch.tensor(result["tokens"])[:, None])[:, 0]
     assert torch.allclose(expected, torch.tensor(result["logprobs"]), atol=2e-3), (expected, result["logprobs"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The tool task: sums of large numbers, the calculator, greedy tool episodes
+# ---------------------------------------------------------------------------------------------
+def test_calculator_evaluates_integer_sums_and_refuses_everything_else():
+    assert toy.TOOLS == {"calculator": toy.calculator}
+    assert toy.calculator("48213+90127") == "138340"
+    assert toy.calculator(" 1000000 - 2000001 + 7 ") == "-999994"
+    assert toy.calculator("-(5-8)+(+2)") == "5"
+    for bad in ("__import__('os').system('true')", "x+1", "abs(-3)", "(1).real", "2**64", "9**9**9", "3*4", "7/2",
+                "7//2", "1.5+1", "True+1", "1e9", "1 if 1 else 2", "[1][0]", "1,2", "", "1+", "1; 2", "'1'+'2'",
+                "1<<100", "-~1"):
+        with pytest.raises(ValueError):
+            toy.calculator(bad)
+    with pytest.raises(ValueError, match="longer than"):
+        toy.calculator("+".join(["1"] * 200))  # 399 characters of valid syntax: refused before parsing
+    with pytest.raises(ValueError):
+        toy.calculator(12)  # a model may pass a JSON number where the schema says string
+
+
+def test_parse_calls_reads_what_the_template_prints():
+    assert toy.parse_calls('calculator(expression="1+2")') == [("calculator", {"expression": "1+2"})]
+    assert toy.parse_calls('f(a="x, y)", b=2)\ng()') == [("f", {"a": "x, y)", "b": 2}), ("g", {})]
+    for bad in ('calculator(expression=1+2)', 'calculator("1+2")', 'calculator(expression="1+2"', "", "12"):
+        with pytest.raises(ValueError):
+            toy.parse_calls(bad)
+
+
+def tool_expression(row):
+    return expression_of(row["messages"][0]["content"])
+
+
+def test_tool_data_is_deterministic_held_out_and_answered(tmp_path):
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    kwargs = dict(num_sft=300, num_rlvr=100, num_eval=50)
+    toy.write_tool_data(a, seed=3, **kwargs)
+    toy.write_tool_data(b, seed=3, **kwargs)
+    toy.write_tool_data(c, seed=4, **kwargs)
+    names = [f"{n}.jsonl" for n in ("sft_tools", "rlvr_tools", "rlvr_notools", "eval_tools", "eval_notools")]
+    assert sorted(os.listdir(a)) == sorted(names)
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert match == names and not mismatch and not errors
+    assert filecmp.cmpfiles(a, c, names, shallow=False)[1] == names
+    split = {name[:-6]: read_jsonl(os.path.join(a, name)) for name in names}
+    held_out = set(map(tool_expression, split["eval_tools"]))
+    rlvr = set(map(tool_expression, split["rlvr_tools"]))
+    sft = set(map(tool_expression, split["sft_tools"]))
+    assert len(held_out) == 50 and len(rlvr) == 100 and len(sft) == 300  # distinct within each split too
+    assert not held_out & rlvr and not held_out & sft and not rlvr & sft
+    for name in ("rlvr", "eval"):
+        # the same problems and prompts, with and without the tool
+        assert [{k: v for k, v in row.items() if k != "tools"} for row in split[f"{name}_tools"]] == split[f"{name}_notools"]
+        assert all(row["tools"] == [toy.CALCULATOR_SCHEMA] for row in split[f"{name}_tools"])
+        assert all("tools" not in row for row in split[f"{name}_notools"])
+        for row in split[f"{name}_notools"]:
+            expr = tool_expression(row)
+            assert row["verifier"] == "math" and row["ground_truth"] == str(evaluate_expression(expr))
+            numbers = re.findall(r"\d+", expr)
+            assert len(numbers) in (2, 3) and all(4 <= len(n) <= 7 for n in numbers)
+            assert all(int(v) >= 0 for v in re.findall(r"\d+", row["ground_truth"]))
+    # the eval rows do not depend on how much training data is drawn
+    toy.write_tool_data(b, seed=3, num_sft=10, num_rlvr=100, num_eval=50)
+    assert filecmp.cmp(os.path.join(a, "eval_tools.jsonl"), os.path.join(b, "eval_tools.jsonl"), shallow=False)
+
+
+def test_tool_sft_traces_call_the_tool_always_on_three_operands_half_the_time_on_two():
+    rows = toy.generate_tool_data(seed=0, num_sft=4000, num_rlvr=0, num_eval=0)["sft_tools"]
+    calls = collections.Counter()
+    offered = collections.Counter()
+    for row in rows:
+        expr = tool_expression(row)
+        operands = len(re.findall(r"[+-]", expr)) + 1
+        answer = evaluate_expression(expr)
+        if len(row["messages"]) == 2:  # a direct answer: the problem restated, the teacher's estimate, boxed
+            guess = toy.estimate(expr)
+            assert row["messages"][1] == {"role": "assistant", "content": f"{expr} is about {guess}. \\boxed{{{guess}}}"}
+        else:
+            assert row["tools"] == [toy.CALCULATOR_SCHEMA]
+            user, call, result, final = row["messages"]
+            assert call["tool_calls"] == [{"function": {"name": "calculator", "arguments": {"expression": expr}}}]
+            assert result == {"role": "tool", "content": str(answer)}
+            assert final == {"role": "assistant", "content": f"\\boxed{{{answer}}}"}
+            calls[operands] += 1
+        offered[operands] += row["tools"] is not None
+    assert abs(sum(offered.values()) / len(rows) - 0.5) < 0.03
+    assert abs(calls[2] / offered[2] - 0.5) < 0.04 and calls[3] == offered[3], (calls, offered)
+    # a guess is almost never right: without the tool the task is out of reach
+    assert toy.estimate("48213+90127") == 138000
+    assert sum(toy.estimate(tool_expression(r)) == evaluate_expression(tool_expression(r)) for r in rows) < 0.01 * len(rows)
+
+
+def test_tool_rows_render_and_train_on_the_call_and_the_answer_only(toy_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    import chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    data = toy.generate_tool_data(seed=0, num_sft=200, num_rlvr=0, num_eval=20)
+    row = next(r for r in data["sft_tools"] if len(r["messages"]) == 4)
+    expr = tool_expression(row)
+    text = chat_template.render(row["messages"], tools=row["tools"])
+    assert '<functions>[{"type": "function", "function": {"name": "calculator"' in text
+    turns = (f'<|im_start|>assistant\n<function_calls>calculator(expression="{expr}")</function_calls><|im_end|>\n'
+             f"<|im_start|>environment\n{evaluate_expression(expr)}<|im_end|>\n<|im_start|>assistant\n\\boxed{{")
+    assert turns in text and text.endswith("}<|endoftext|>")
+    # the command-line renderer prints the same text
+    (tmp_path / "row.json").write_text(json.dumps(row))
+    proc = subprocess.run([sys.executable, "chat_template.py", "render", "--template", "olmo3-instruct-dev",
+                           "--messages", str(tmp_path / "row.json")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == text, proc.stderr
+    # sft.py's tokenization trains the call with its hand-off and the answer, never the tool's result
+    out = chat_template.tokenize_messages(tokenizer, row["messages"], tools=row["tools"])
+    trained = tokenizer.decode([t for t, label in zip(out["input_ids"], out["labels"]) if label != -100])
+    assert trained == (f'<function_calls>calculator(expression="{expr}")</function_calls><|im_end|>'
+                       f"\\boxed{{{evaluate_expression(expr)}}}<|endoftext|>")
+    # prompts stay short enough for the CPU demo (demo_tools.sh: --max_prompt_length 256)
+    lengths = [len(chat_template.tokenize_prompt(tokenizer, r["messages"], tools=r.get("tools")))
+               for r in data["eval_tools"]]
+    assert max(lengths) <= 256, max(lengths)
+    # the SFT file loads and tokenizes as a dataset, rows with and without tools together (nothing dropped)
+    path = tmp_path / "sft_tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in data["sft_tools"]))
+    dataset, dropped = chat_template.tokenize_sft(chat_template.load_mixture([str(path), "1.0"]), tokenizer,
+                                                  max_length=384, cache_dir="")
+    assert len(dataset) == 200, dropped
+
+
+class ScriptedModel:
+    """Stands in for a model in `toy.tool_episodes`: it calls the calculator on the expression in the user turn
+    (once, or `calls` times in a row), then boxes the last environment result; `hand_off` ends a call turn."""
+
+    def __init__(self, tokenizer, calls=1, hand_off="<|im_end|>", expression=None, extra_call=""):
+        self.tokenizer, self.calls, self.hand_off, self.expression = tokenizer, calls, hand_off, expression
+        self.extra_call = extra_call  # e.g. "\nweather(city=\"Paris\")": a second call in the same block
+        self.contexts = []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, do_sample):
+        assert do_sample is False and set(eos_token_id) == {self.tokenizer.eos_token_id,
+                                                           self.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        outs = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            context = [t for t, m in zip(ids, mask) if m]
+            self.contexts.append(context)
+            text = self.tokenizer.decode(context)
+            results = re.findall(r"<\|im_start\|>environment\n(.*?)<\|im_end\|>", text)
+            if len(results) < self.calls:
+                expr = self.expression or expression_of(text.split("<|im_start|>user\n")[1])
+                call = f'calculator(expression="{expr}")'
+                turn = f"<function_calls>{call}{self.extra_call}</function_calls>{self.hand_off}"
+            else:
+                turn = "\\boxed{" + (results[-1] if results else "0") + "}<|endoftext|>"
+            new = self.tokenizer.encode(turn, add_special_tokens=False)[:max_new_tokens]
+            outs.append(ids + new + [pad_token_id] * (max_new_tokens - len(new)))
+        width = max(map(len, outs))
+        return torch.tensor([o + [pad_token_id] * (width - len(o)) for o in outs])
+
+
+def test_tool_episodes_run_the_calculator_and_append_its_result_as_tokens(toy_model_dir):
+    from transformers import AutoTokenizer
+
+    import chat_template
+    from chat_template import tokenize_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    data = toy.generate_tool_data(seed=0, num_sft=0, num_rlvr=0, num_eval=6)
+    rows = data["eval_tools"][:3] + data["eval_notools"][3:]
+    model = ScriptedModel(tokenizer)
+    episodes = toy.tool_episodes(model, tokenizer, rows, max_new_tokens=48, batch_size=2)
+    for row, e in zip(rows[:3], episodes[:3]):  # offered the tool: call, result, answer
+        answer = row["ground_truth"]
+        assert e["calls"] == e["tool_turns"] == 1 and not e["errors"] and e["turns"][-1] == f"\\boxed{{{answer}}}"
+        call = tokenizer.encode(f'<function_calls>calculator(expression="{tool_expression(row)}")</function_calls>'
+                                "<|im_end|>", add_special_tokens=False)
+        environment = tokenizer.encode(f"\n<|im_start|>environment\n{answer}<|im_end|>\n<|im_start|>assistant\n",
+                                       add_special_tokens=False)
+        final = tokenizer.encode(f"\\boxed{{{answer}}}<|endoftext|>", add_special_tokens=False)
+        prompt = tokenize_prompt(tokenizer, row["messages"], tools=row["tools"])
+        assert e["ids"] == prompt + call + environment + final
+    for e in episodes[3:]:  # no tool offered: the call is the last turn, never answered
+        assert e["calls"] == e["tool_turns"] == 0 and len(e["turns"]) == 1 and "<function_calls>" in e["turns"][0]
+    # a model that keeps calling stops after max_tool_turns; eos after a call ends the episode
+    endless = toy.tool_episodes(ScriptedModel(tokenizer, calls=99), tokenizer, rows[:2], max_tool_turns=3)
+    assert all(e["tool_turns"] == 3 and len(e["turns"]) == 4 and e["errors"] == ["max_tool_turns"] for e in endless)
+    ended = toy.tool_episodes(ScriptedModel(tokenizer, hand_off="<|endoftext|>"), tokenizer, rows[:2])
+    assert all(e["calls"] == 0 and len(e["turns"]) == 1 for e in ended)
+    # a call the calculator refuses gets its error as the result, and the episode goes on
+    bad = toy.tool_episodes(ScriptedModel(tokenizer, expression="2**8"), tokenizer, rows[:1])[0]
+    assert bad["calls"] == 1 and bad["errors"] == ["exception"] and bad["turns"][-1].startswith("\\boxed{error")
+    # two calls in one turn: two environment turns, as the template renders two `tool` messages; a tool the row
+    # does not offer is answered with an error
+    two = toy.tool_episodes(ScriptedModel(tokenizer, extra_call='\nweather(city="Paris")'), tokenizer, rows[:1],
+                         max_new_tokens=96)[0]
+    assert two["calls"] == 2 and two["tool_turns"] == 1 and two["errors"] == ["unknown_tool"]
+    expr, answer = tool_expression(rows[0]), rows[0]["ground_truth"]
+    rendered = chat_template.render(rows[0]["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "calculator", "arguments": {"expression": expr}}},
+            {"function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": answer}, {"role": "tool", "content": "error: no tool named 'weather'"},
+        {"role": "assistant", "content": "\\boxed{error: no tool named 'weather'}"}], tools=rows[0]["tools"])  # the script boxes the last result
+    assert two["ids"] == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_tool_eval_runs_on_the_toy_model_and_counts_calls(toy_model_dir, tmp_path, monkeypatch):
+    data = toy.generate_tool_data(seed=0, num_sft=0, num_rlvr=0, num_eval=8)
+    path = tmp_path / "eval_tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in data["eval_tools"]))
+    result = toy.tool_evaluate(toy_model_dir, str(path), max_new_tokens=8)  # the random model: no calls, no answers
+    assert result["num_examples"] == 8 and result["accuracy"] == 0.0 and result["tools_offered"] == 1.0
+    assert result["calls_per_episode"] == 0.0 and result["mean_prompt_tokens"] > 100
+    # the same, with a model that solves every problem with one call; then the table
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: ScriptedModel(tokenizer)))
+    monkeypatch.setattr(ScriptedModel, "eval", lambda self: self, raising=False)
+    solved = toy.tool_evaluate(toy_model_dir, str(path))
+    assert solved["accuracy"] == 1.0 and solved["calls_per_episode"] == 1.0 and solved["episodes_calling"] == 1.0
+    notools = tmp_path / "eval_notools.jsonl"
+    notools.write_text("".join(json.dumps(r) + "\n" for r in data["eval_notools"]))
+    results = toy.tool_report({"scripted": toy_model_dir}, {"with tool": str(path), "without": str(notools)},
+                              str(tmp_path / "report"))
+    assert results["scripted"]["without"]["accuracy"] == 0.0 and results["scripted"]["without"]["episodes_calling"] == 1.0
+    table = (tmp_path / "report" / "tool_results.md").read_text().splitlines()
+    assert table[0] == "| Toy tool use (held-out) | scripted |" and "| Accuracy, greedy, with tool (%) | 100.0 |" in table
