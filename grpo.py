@@ -609,8 +609,10 @@ class ToolRunner:
         self.tools, self.timeout_s, self.max_chars = tools, timeout_s, max_output_chars
         self.turns, self.lock = {}, threading.Lock()  # key -> {"results", "kinds", "t0"}
 
-    def submit(self, key: str, calls: list) -> None:
-        """`calls`: parse_tool_calls' list, or a ToolCallError (the turn's calls did not parse)."""
+    def submit(self, key: str, calls: list, offered: list[str] | None = None) -> None:
+        """`calls`: parse_tool_calls' list, or a ToolCallError (the turn's calls did not parse). `offered`: the
+        tools the row offers (None: every registered one); a call to any other is an unknown tool."""
+        offered = sorted(self.tools if offered is None else set(offered) & set(self.tools))
         calls = calls if isinstance(calls, list) else [calls]
         turn = {"results": [None] * len(calls), "kinds": [None] * len(calls), "t0": time.monotonic()}
         with self.lock:
@@ -620,8 +622,8 @@ class ToolRunner:
                 if isinstance(call, ToolCallError):
                     raise call
                 name, pos, kw = call
-                if name not in self.tools:
-                    raise ToolCallError("unknown_tool", f"no tool named {name!r} (tools: {', '.join(sorted(self.tools))})")
+                if name not in offered:
+                    raise ToolCallError("unknown_tool", f"no tool named {name!r} (tools: {', '.join(offered)})")
                 try:
                     inspect.signature(self.tools[name]).bind(*pos, **kw)
                 except TypeError as e:
@@ -779,12 +781,13 @@ class Actor:
             calls = [("bench_sleep", [], {})]  # BENCHMARK ONLY (Dispatcher.prompt)
         if calls is None:
             return self._finish_sample(st, c.finish_reason, st["versions"])
-        if st["turns"] >= self.args.max_tool_turns:
+        if st["turns"] >= self.args.max_tool_turns:  # the last turn is a call, not an answer: nothing to score
             self.stats["tool_turn_limit"] += 1
+            st["turn_start"] = len(st["tokens"])
             return self._finish_sample(st, "tool_turn_limit", st["versions"])
         st["turns"] += 1
         self.in_tools[st["rid"]] = st
-        self.tool_runner.submit(st["rid"], calls)
+        self.tool_runner.submit(st["rid"], calls, meta["tools"])
 
     def _continue_episodes(self):
         """Episodes whose tool calls answered: append the results and the next assistant header as the template

@@ -98,7 +98,10 @@ def test_tool_runner_answers_every_kind_of_failure_and_counts_it():
     t0 = time.monotonic()
     runner.submit("a", calls)
     runner.submit("b", grpo.ToolCallError("malformed", "the calls do not parse"))
-    got = {key: (results, kinds) for key, results, kinds, _ in _wait_finished(runner, 5) + _wait_finished(runner, 5)}
+    runner.submit("c", [("echo", [], {"text": "hi"}), ("num", [], {})], offered=["num", "missing"])
+    got = {}
+    while len(got) < 3:
+        got.update({key: (results, kinds) for key, results, kinds, _ in _wait_finished(runner, 5)})
     assert time.monotonic() - t0 < 2.0  # the hanging call was abandoned at its deadline, not waited for
     results, kinds = got["a"]
     assert results[0] == "hi" and kinds[0] is None
@@ -107,6 +110,8 @@ def test_tool_runner_answers_every_kind_of_failure_and_counts_it():
     assert "KeyError" in results[3] and "SystemExit" in results[4] and "timed out after 0.5s" in results[5]
     assert results[6] == "x" * 100 + "... [cut at 100 characters]" and results[7] == "7"
     assert got["b"] == (["error: the calls do not parse"], ["malformed"])
+    # a row's calls reach only the tools it offers (and that exist)
+    assert got["c"] == (["error: no tool named 'echo' (tools: num)", "7"], ["unknown_tool", None])
     assert runner.finished() == [] and runner.turns == {}
 
 
@@ -267,7 +272,7 @@ def _call(name, **arguments):
 
 def _conversations() -> dict:
     """prompt text -> (the conversation the model memorizes, the tool results it will be answered with)."""
-    unknown = "error: no tool named 'nope' (tools: calculator, fails, hang, python, sleepy)"
+    unknown = "error: no tool named 'nope' (tools: calculator, fails, hang, sleepy)"  # the row's, not python
     episodes = {
         "Add 12, 30 and 8.": [("First 12+30.", [_call("calculator", expression="12+30")], ["42"]),
                               ("Then 42+8.", [_call("calculator", expression="42+8")], ["50"]),
@@ -484,6 +489,7 @@ def test_max_tool_turns_ends_the_episode(episode_actor):
     (s,) = groups[4]["samples"]
     assert s["tool_turns"] == 2 and s["tool_calls"] == 2 and s["finish_reason"] == "tool_turn_limit"
     assert stats["tool_turn_limit"] == 1 and "calculator(expression=\"3+1\")" in actor.tok.decode(s["response_ids"])
+    assert s["answer_start"] == len(s["response_ids"])  # the verifier sees no answer, not the call
 
 
 @pytest.mark.slow
