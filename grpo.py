@@ -2333,10 +2333,11 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                                   timeout=engine.timeout)
             metas = ((m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in source.metadata())
             sizes = iter(lambda: pack_tensors(metas, lambda item: item[1], init_info.packed_buffer_size_bytes), None)
+            engine.bucket_bytes = [chunk.packed_tensor.numel() for chunk in sizes]
             info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
                                 world_size=init_info.world_size, timeout_s=init_info.timeout_s,
                                 packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-                                bucket_bytes=[chunk.packed_tensor.numel() for chunk in sizes])
+                                bucket_bytes=engine.bucket_bytes)
             with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
                 joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
                 engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
@@ -2346,10 +2347,23 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     def _broadcast(self, source, meta) -> None:
         if not self.is_sender:
             return super()._broadcast(source, meta)
+        # pack_tensors' cuts (bucket_bytes, as the workers were told), each bucket copied into one buffer kept
+        # across updates: no new torch.cat per bucket (the sender's largest cost beside the broadcast itself)
         pairs = self._checked_iter(source, meta)
-        while (chunk := pack_tensors(pairs, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
-            self.gloo.broadcast([chunk.packed_tensor.cpu()], dist.BroadcastOptions()).wait(self.timeout)
+        if getattr(self, "buffer", None) is None:
+            self.buffer = torch.empty(max(self.bucket_bytes), dtype=torch.uint8)
+        for size in self.bucket_bytes:
+            at = 0
+            while at < size:
+                flat = next(pairs)[1].contiguous().view(-1).view(torch.uint8)
+                if at + flat.numel() > size:
+                    raise ValueError(f"weight stream: a tensor of {flat.numel()} bytes overruns its bucket of {size}")
+                self.buffer[at:at + flat.numel()].copy_(flat)
+                at += flat.numel()
+            self.gloo.broadcast([self.buffer[:size]], dist.BroadcastOptions()).wait(self.timeout)
             self.first_bucket.set()  # Link.update_weights: the engines may load now
+        for name, _ in pairs:  # none left: _checked_iter checks the count when exhausted
+            raise ValueError(f"weight stream: {name} is beyond the buckets the workers expect")
 
 
 _OUR_ENGINES = ((WeightTransferEngineFactory, GlooWeightTransferEngine),
