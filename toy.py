@@ -453,6 +453,20 @@ def plot_curves(stage_dirs: dict[str, str], out_path: str) -> str | None:
     return out_path
 
 
+def write_table(table: list[list[str]], results: dict, out_dir: str, stem: str) -> str:
+    """Write `results` as STEM.json and `table` (header row first) as STEM.md; return the table as aligned text."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths)))
+                     for row in table)
+    markdown = "\n".join("| " + " | ".join(row) + " |" for row in table[:1] + [["---"] * len(table[0])] + table[1:])
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(markdown + "\n")
+    return text
+
+
 def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tokens: int = 64,
            num_samples: int = 4, temperature: float = 1.0) -> dict:
     """Evaluate every stage's checkpoint on the held-out split, print the table, write JSON, Markdown, PNG."""
@@ -477,15 +491,7 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
     # "-": no such answers / no such problems
     format_cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731
     table = [header] + [[name] + [format_cell(fn(r)) for r in results.values()] for name, fn in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths)))
-                     for row in table)
-    markdown = "\n".join("| " + " | ".join(row) + " |" for row in table[:1] + [["---"] * len(header)] + table[1:])
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(markdown + "\n")
+    text = write_table(table, results, out_dir, "results")
     plot = plot_curves(stage_dirs, os.path.join(out_dir, "curves.png"))
     print("\n" + text + "\n")
     for stage, path in stage_dirs.items():
@@ -814,14 +820,7 @@ def tool_report(stage_dirs: dict[str, str], eval_paths: dict[str, str], out_dir:
     header = ["Toy tool use (held-out)"] + list(results)
     format_cell = lambda v: "-" if v is None else f"{v:.2f}" if v < 10 and v != int(v) else f"{v:.1f}"  # noqa: E731
     table = [header] + [[label] + [format_cell(fn(r)) for r in results.values()] for label, fn in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-                     for row in table)
-    markdown = "\n".join("| " + " | ".join(row) + " |" for row in table[:1] + [["---"] * len(header)] + table[1:])
-    with open(os.path.join(out_dir, "tool_results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(out_dir, "tool_results.md"), "w") as f:
-        f.write(markdown + "\n")
+    text = write_table(table, results, out_dir, "tool_results")
     print("\n" + text + "\n")
     for stage, path in stage_dirs.items():
         print(f"  {stage}: {path}")
