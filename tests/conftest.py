@@ -82,8 +82,20 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
            "--model_name_or_path", toy_model_dir, "--dataset_mixer_list", sft_data, "1.0", "--output_dir", out]
     # Two intra-op threads: the suite runs one process at a time here, and on two idle cores an SFT
     # step takes 0.44 s with two threads vs 0.78 s with one (the fixture: 750 steps, ~6 min).
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=3600, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=SFT_FIXTURE_TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="2"))
     return store(out)
+
+
+SFT_FIXTURE_TIMEOUT_S = 3600  # 6 minutes alone; 17 beside other training, and more on a busier machine
+
+
+def pytest_collection_modifyitems(items):
+    """pytest.ini's timeout (20 minutes) counts a test's fixtures too, so the first test to use the SFT fixture would
+    be killed once the fixture's training passes 20 minutes (beside other training it did, and every later test that
+    needs it then errored): those tests' timeout covers their own body only, and the training keeps its own bound."""
+    for item in items:
+        if "toy_sft_model_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(item.config.getini("timeout"), func_only=True))
 
 
 def cached_fixture_dir(name: str, key: str):
