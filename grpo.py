@@ -48,7 +48,6 @@ import dataclasses
 import datetime
 import importlib.util
 import inspect
-import itertools
 import json
 import math
 import os
@@ -75,7 +74,7 @@ try:
     from vllm.distributed.weight_transfer.base import materialize_full_tensor
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
                                                               NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
-    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 except ImportError:  # the learner alone (bench_learner.py on a GPU machine without vLLM) imports this file too
     WeightTransferEngineFactory = WeightTransferTrainerFactory = None
     NCCLTrainerInitInfo = NCCLTrainerWeightTransferEngine = NCCLWeightTransferEngine = WeightSource = object
@@ -670,8 +669,8 @@ class ToolRunner:
 # The actor: one vLLM engine kept full (continuous batching), weights loaded between two steps (inflight updates)
 # -------------------------------------------------------------------------------------------------
 class Actor:
-    """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (weight update headers:
-    the version, the learner's logprobs of a probe sequence, and whether the weights stream into the
+    """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (weight updates: the
+    version, the learner's logprobs of a probe sequence, and vLLM's update_info when weights stream into the
     engine's workers). Output: `emit(message)` for finished groups and errors.
     `run()` is the engine loop; in the colocated mode it runs in a thread."""
 
@@ -927,25 +926,18 @@ class Actor:
         offset = init_info["rank_offset"] + self.actor_id * self.args.vllm_tensor_parallel_size
         self.llm.init_weight_transfer_engine({"init_info": dict(init_info, rank_offset=offset)})
 
-    def _next_call(self) -> dict:
-        try:  # learner 0 sends an update's calls back to back
-            return self.updates.get(timeout=self.args.timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no weight update call from learner 0 within {self.args.timeout_s:.0f}s") from None
-
-    def _apply_update(self, call: dict):
-        """Between two engine steps, make learner 0's calls on the LLM: start_weight_update, update_weights (the
-        workers receive and load the weights as learner 0 sends them), finish_weight_update with the version;
-        or only update_weight_version (no weights). Inflight: running requests and their KV cache stay; the
-        scheduler pause only makes vLLM's per-token version labels exact."""
+    def _apply_update(self, update: dict):
+        """Between two engine steps, make learner 0's calls on the LLM: with `update_info`, start_weight_update,
+        update_weights (the workers load the weights learner 0 sends them) and finish_weight_update with the version;
+        without, update_weight_version only. Inflight: running requests and their KV cache stay; the scheduler pause
+        only makes vLLM's per-token version labels exact."""
         t = time.perf_counter()
-        if call["call"] == "start_weight_update":
+        if "update_info" in update:
             self.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
             try:
                 self.llm.start_weight_update()
-                while (call := self._next_call())["call"] == "update_weights":
-                    self.llm.update_weights({"update_info": call["update_info"]})
-                self.llm.finish_weight_update(str(call["version"]))
+                self.llm.update_weights({"update_info": update["update_info"]})
+                self.llm.finish_weight_update(str(update["version"]))
             except Exception as e:
                 raise RuntimeError(f"actor {self.actor_id}: weight update after version {self.version} failed; the "
                                    f"engine is unusable now: {e}") from e
@@ -953,12 +945,12 @@ class Actor:
             self.stats["weight_apply_s"] += time.perf_counter() - t
             self.stats["weight_loads"] += 1
         else:
-            self.llm.update_weight_version(str(call["version"]))
-        self.version, self.wants = call["version"], None
+            self.llm.update_weight_version(str(update["version"]))
+        self.version, self.wants = update["version"], None
         self.stats["weight_load_s"] += time.perf_counter() - t
         self.stats["updates"] += 1
-        if call.get("probe_ids"):
-            self._start_probe(call["probe_ids"], call["probe_logprobs"], call["version"])
+        if update.get("probe_ids"):
+            self._start_probe(update["probe_ids"], update["probe_logprobs"], update["version"])
 
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
@@ -1103,8 +1095,7 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
     # Learner 0's first call, once it is up: the workers join its weight stream before any update.
-    (first_call,) = broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)
-    actor.init_weights(first_call["init_info"])
+    actor.init_weights(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
     errors = []
 
     def guarded(fn):
@@ -1131,13 +1122,12 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                 return
             send_obj(msg, learner0, groups["data"], args.timeout_s)
 
-    def weights_in():  # the calls only: the engine loop makes them, and its workers receive the weights
+    def weights_in():  # the updates' calls only: the engine loop makes them, and its workers receive the weights
         while not actor.stop.is_set():
             msg = broadcast_obj(None, learner0, groups["weights"], args.timeout_s)
-            if isinstance(msg, dict) and msg.get("stop"):
+            if msg.get("stop"):
                 return
-            for call in msg:
-                actor.updates.put(call)
+            actor.updates.put(msg)
 
     def watchdog():
         """The engine loop blocks inside vLLM while the engine process does not answer, and nothing else
@@ -1227,10 +1217,8 @@ class Link:
         self.closing = threading.Event()
         self.lock = threading.Lock()
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
-        self.header = {}  # of the update under way: finish_weight_update carries it (vLLM's trainer engines pass none)
-        self.started = False  # start_weight_update was called: update_weights sends it
+        self.header = {}  # of the update under way: its version and probe (vLLM's trainer engines pass none)
         self.streamed = None  # the version of the last update sent to the engines
-        self.first_bucket = None  # set once the update's first bucket is in the workers (our gloo backend)
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
             for r in actor_ranks:
@@ -1270,41 +1258,30 @@ class Link:
             with self.lock:  # the dispatcher thread and evaluation both send; a message is two sends
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
 
-    # vLLM's four calls, from learner 0's trainer engine: each actor makes them on its LLM (Actor.init_weights,
-    # Actor._apply_update), in this order. An update's three travel in one message, sent as update_weights is called
-    # (before the weights): the actor makes each only after the one before returned, so finish follows the load,
-    # and the learner pays one message per update, not three. A call returns once sent; an actor's failure comes
-    # back as its error message.
+    # vLLM's four calls (its VLLMWeightSyncClient), made by learner 0's trainer engine; each actor makes them on its
+    # LLM between two engine steps (Actor._apply_update). An update's calls travel as one message, sent at
+    # update_weights, which vLLM calls while its trainer engine streams (NCCL's workers receive inside it); the
+    # actor makes each call once the one before returned. A call returns once sent; an actor's failure comes back
+    # as its error message.
     def init_weight_transfer_engine(self, init_info: dict):
         if self.local is not None:  # the colocated actor thread has not started yet
             return self.local.init_weights(init_info)
-        self._post([{"call": "init_weight_transfer_engine", "init_info": init_info}])
+        self._post({"init_info": init_info})
 
     def start_weight_update(self):
-        self.started = True
+        pass  # sent with update_weights
 
     def update_weights(self, update_info: dict):
-        """vLLM calls this in a thread while its trainer engine streams. NCCL's workers receive inside their
-        update_weights: the calls go at once. Our gloo workers receive in a thread of their own: the calls go once
-        the first bucket is in them (for a small model, the whole update), so that an engine pauses for the load
-        only, never for the wire. A stream of more buckets than a worker holds ahead (two) still ends: the calls
-        do not wait for its end."""
-        assert self.started, "vLLM's protocol: start_weight_update before update_weights"
-        self.started = False
-        if self.first_bucket is not None and not self.first_bucket.wait(self.args.timeout_s):
-            return  # the stream failed or stalled: send_weights reports it
-        self._post([{"call": "start_weight_update"}, {"call": "update_weights", "update_info": update_info},
-                    dict(self.header, call="finish_weight_update")])
+        self._post(dict(self.header, update_info=update_info))
 
     def finish_weight_update(self, weight_version: str | None = None):
         pass  # sent with update_weights; the version and probe it carries are self.header
 
-    def _post(self, calls: list[dict]):
+    def _post(self, msg: dict):
         if self.local is not None:
-            for call in calls:
-                self.local.updates.put(call)
+            self.local.updates.put(msg)
         else:
-            broadcast_obj(calls, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
+            broadcast_obj(msg, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
 
     def wants_weights(self) -> bool:
         """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
@@ -1315,12 +1292,9 @@ class Link:
     def send_weights(self, header: dict, transfer, timeout_s: float):
         """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
         thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included)."""
-        self.streamed, self.header = header["version"], header
+        self.streamed, self.header = header["version"], {k: v for k, v in header.items() if k != "stream"}
         if not header.get("stream"):
-            return self._post([dict(header, call="update_weight_version")])
-        self.first_bucket = getattr(transfer, "first_bucket", None)  # our gloo backend's (update_weights)
-        if self.first_bucket is not None:
-            self.first_bucket.clear()
+            return self._post(self.header)
         errors, done = [], threading.Event()
 
         def send():
@@ -2246,7 +2220,7 @@ def main():
 # -------------------------------------------------------------------------------------------------
 # vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
 # GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
-# pickled handles), ours: vLLM's NCCL engines with gloo's process group and broadcast in place of NCCL's.
+# pickled handles), ours: vLLM's NCCL engines with a gloo group, an update sent as one broadcast of its bytes.
 GLOO_BACKEND = "grpo_gloo"
 
 
@@ -2257,7 +2231,7 @@ def weight_backend(device: str) -> str:
 @dataclass(kw_only=True)
 class GlooInitInfo(NCCLWeightTransferInitInfo):
     timeout_s: float = 1800.0
-    bucket_bytes: list[int] = field(default_factory=list)  # each update's buckets, in order: fixed for the run
+    update_bytes: int = 0  # every update's size: the sender's metadata, fixed for the run
 
 
 @dataclass
@@ -2269,24 +2243,23 @@ class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
     in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
-    A thread receives each bucket as learner 0 sends it, while the engine generates (NCCL's receive waits for the
-    engine's next step: the learner waited 2x longer in a toy run); at most two wait for update_weights."""
+    A thread receives each update as learner 0 sends it, while the engine generates (NCCL's receive waits for the
+    engine's next step: the learner waited 2x longer in a toy run); it holds at most two updates (a CPU model is
+    small), and learner 0 waits beyond that."""
     init_info_cls = GlooInitInfo
 
     def init_transfer_engine(self, info: GlooInitInfo) -> None:
-        self.timeout = datetime.timedelta(seconds=info.timeout_s)
-        self.packed_buffer_size_bytes, self.inbox = info.packed_buffer_size_bytes, queue.Queue(maxsize=1)
-        if not info.bucket_bytes:  # the receiving thread would end at once, and every update time out
-            raise ValueError("grpo_gloo: the init info names no bucket sizes (the trainer engine sends them)")
-        self.bucket_bytes = info.bucket_bytes
+        if info.update_bytes <= 0:  # the receiving thread would fail at once, and every update with it
+            raise ValueError("grpo_gloo: the init info gives no update size (the trainer engine sends it)")
+        self.timeout, self.inbox = datetime.timedelta(seconds=info.timeout_s), queue.Queue(maxsize=1)
         store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
         self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
                                           self.timeout)
-        threading.Thread(target=self._receive, daemon=True).start()
+        threading.Thread(target=self._receive, args=(info.update_bytes,), daemon=True).start()
 
-    def _receive(self) -> None:
-        try:  # update after update, its buckets in order; an error ends the thread and fails the next update
-            for size in itertools.cycle(self.bucket_bytes):
+    def _receive(self, size: int) -> None:
+        try:  # update after update; an error ends the thread and fails the next update
+            while True:
                 flat = torch.empty(size, dtype=torch.uint8)
                 self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
                 self.inbox.put(flat)
@@ -2297,24 +2270,22 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update) -> None:
-        """Bucket by bucket as the sender cut them (vLLM's pack_tensors, run here on meta tensors of the announced
-        shapes); each is checked, then loaded (load_weights: a tensor-parallel worker takes its shard)."""
-        metas = ((n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
-                 for n, d, s in zip(update.names, update.dtype_names, update.shapes))
-        while (plan := pack_tensors(metas, lambda item: item[1], self.packed_buffer_size_bytes)) is not None:
-            try:
-                flat = self.inbox.get(timeout=self.timeout.total_seconds())
-            except queue.Empty:
-                raise TimeoutError(f"weight stream: no bucket from learner 0 within {self.timeout}") from None
-            if isinstance(flat, Exception):
-                raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
-            if flat.numel() != plan.packed_tensor.numel():
-                raise ValueError(f"weight stream: a bucket of {flat.numel()} bytes where {plan.names[0]} .. "
-                                 f"{plan.names[-1]} take {plan.packed_tensor.numel()}")
-            weights = unpack_tensor(flat, plan.names, plan.shapes, plan.dtypes, plan.tensor_sizes)
-            if not all(torch.isfinite(w).all() for _, w in weights):
-                raise ValueError(f"weight stream: non-finite values in {plan.names[0]} .. {plan.names[-1]}")
-            self.model.load_weights(weights)
+        """The next update's bytes cut into the announced tensors, checked, then loaded (load_weights: a
+        tensor-parallel worker takes its shard)."""
+        try:
+            flat = self.inbox.get(timeout=self.timeout.total_seconds())
+        except queue.Empty:
+            raise TimeoutError(f"weight stream: no update from learner 0 within {self.timeout}") from None
+        if isinstance(flat, Exception):
+            raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
+        dtypes = [getattr(torch, d) for d in update.dtype_names]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update.shapes, dtypes)]
+        if sum(sizes) != flat.numel():
+            raise ValueError(f"weight stream: {flat.numel()} bytes where the update's tensors take {sum(sizes)}")
+        weights = unpack_tensor(flat, update.names, update.shapes, dtypes, sizes)
+        if bad := [name for name, w in weights if not torch.isfinite(w).all()]:
+            raise ValueError(f"weight stream: non-finite values in {', '.join(bad)}")
+        self.model.load_weights(weights)
 
 
 class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
@@ -2324,20 +2295,16 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
-        engine.first_bucket = threading.Event()
-        if engine.is_sender:
+        if engine.is_sender:  # one buffer of the update's bytes, kept across updates
+            engine.buffer = torch.empty(sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()),
+                                        dtype=torch.uint8)
             store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
                                   timeout=engine.timeout)
-            metas = ((m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in source.metadata())
-            sizes = iter(lambda: pack_tensors(metas, lambda item: item[1], init_info.packed_buffer_size_bytes), None)
-            engine.bucket_bytes = [chunk.packed_tensor.numel() for chunk in sizes]
             info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
                                 world_size=init_info.world_size, timeout_s=init_info.timeout_s,
-                                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-                                bucket_bytes=engine.bucket_bytes)
+                                update_bytes=engine.buffer.numel())
             with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
                 joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
                 engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
@@ -2347,23 +2314,12 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     def _broadcast(self, source, meta) -> None:
         if not self.is_sender:
             return super()._broadcast(source, meta)
-        # pack_tensors' cuts (bucket_bytes, as the workers were told), each bucket copied into one buffer kept
-        # across updates: no new torch.cat per bucket (the sender's largest cost beside the broadcast itself)
-        pairs = self._checked_iter(source, meta)
-        if getattr(self, "buffer", None) is None:
-            self.buffer = torch.empty(max(self.bucket_bytes), dtype=torch.uint8)
-        for size in self.bucket_bytes:
-            at = 0
-            while at < size:
-                flat = next(pairs)[1].contiguous().view(-1).view(torch.uint8)
-                if at + flat.numel() > size:
-                    raise ValueError(f"weight stream: a tensor of {flat.numel()} bytes overruns its bucket of {size}")
-                self.buffer[at:at + flat.numel()].copy_(flat)
-                at += flat.numel()
-            self.gloo.broadcast([self.buffer[:size]], dist.BroadcastOptions()).wait(self.timeout)
-            self.first_bucket.set()  # Link.update_weights: the engines may load now
-        for name, _ in pairs:  # none left: _checked_iter checks the count when exhausted
-            raise ValueError(f"weight stream: {name} is beyond the buckets the workers expect")
+        at = 0  # _checked_iter holds each tensor to its metadata, so the bytes fill the buffer exactly
+        for _, tensor in self._checked_iter(source, meta):
+            flat = tensor.contiguous().view(-1).view(torch.uint8)
+            self.buffer[at:at + flat.numel()].copy_(flat)
+            at += flat.numel()
+        self.gloo.broadcast([self.buffer], dist.BroadcastOptions()).wait(self.timeout)
 
 
 _OUR_ENGINES = ((WeightTransferEngineFactory, GlooWeightTransferEngine),

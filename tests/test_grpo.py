@@ -126,23 +126,20 @@ def test_engine_gpus_learners_first_then_tensor_parallel_engines(monkeypatch):
         grpo.engine_gpus(4, 4, 8, 4, 2, 8)  # 4 learners + 4 engines of 2 GPUs on 8 GPUs
 
 
-@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")  # buckets smaller than a tensor, on purpose
 def test_gloo_weight_transfer_round_trip_checks_before_loading():
     """learner 0 -> one worker through vLLM's weight-transfer protocol on our gloo backend, both ends in this
     process: the real Link (colocated) is the trainer engine's client, and a thread stands in for the actor,
     making the calls it gets on a worker engine from vLLM's factory (its model a stand-in recording what
-    load_weights gets). vLLM's send_weights makes the four calls in order; the engine is told to load only once
-    the first bucket is in the worker, and an update of more buckets than the worker holds ahead still completes
-    (it would wait forever if the calls went after the whole stream); the worker cuts the buckets where vLLM's
-    pack_tensors cut them on the sender, each arrives whole, and a bucket with non-finite values fails before it
-    loads."""
+    load_weights gets). vLLM's send_weights makes the four calls in order; the worker loads exactly the sender's
+    tensors, in the training dtype; an update sent before the engine took the one before still completes (the
+    worker holds it: learner 0 does not wait for the engine's next step); an update with a non-finite value fails
+    before anything of it loads."""
     from types import SimpleNamespace
 
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    loads, calls, errors = [], [], []
+    loads, calls, errors, go = [], [], [], threading.Event()
     model = SimpleNamespace(load_weights=lambda weights: loads.append({k: v.clone() for k, v in weights}))
     worker = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend=grpo.GLOO_BACKEND),
@@ -150,43 +147,43 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     actor = SimpleNamespace(updates=queue.Queue(), wants=None, init_weights=lambda info: (
         calls.append("init"), worker.init_transfer_engine(worker.parse_init_info(info))))
 
-    def make_calls():  # Actor._apply_update's order, on the worker engine
-        while (call := actor.updates.get()) is not None:
-            calls.append(call["call"])
-            if call["call"] == "start_weight_update":
-                calls.append(f"first bucket sent: {trainer.first_bucket.is_set()}")
+    def make_calls():  # Actor._apply_update's calls, on the worker engine, once the test lets it
+        while (update := actor.updates.get()) is not None:
+            go.wait()
+            calls.append(update["version"])
             try:
-                if call["call"] == "update_weights":
-                    worker.update_weights(call["update_info"])
+                worker.update_weights(update["update_info"])
             except Exception as e:
                 errors.append(e)
 
-    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50))  # 48, 12, 600 and 200 bytes
-    source = grpo.WireWeights(net, torch.float32)
-    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, packed_buffer_size_bytes=16, timeout_s=30.0, rank=0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50)).to(torch.bfloat16)
+    source = grpo.WireWeights(net, torch.bfloat16)
+    info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=30.0, rank=0)
     link = grpo.Link(_args(timeout_s=30.0), [], None, actor, queue.Queue())
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
+    assert calls == ["init"] and trainer.buffer.numel() == (12 + 3 + 150 + 50) * 2
     threading.Thread(target=make_calls, daemon=True).start()
-    link.send_weights({"version": 1, "stream": True}, trainer, 30.0)
+    sent = []
+    for version in (1, 2):  # the engine takes neither yet: both sends return
+        link.send_weights({"version": version, "stream": True}, trainer, 30.0)
+        sent.append({k: v.clone() for k, v in net.state_dict().items()})
+        with torch.no_grad():
+            net[1].bias.add_(1.0)
+    go.set()
     deadline = time.time() + 30
-    while "finish_weight_update" not in calls and time.time() < deadline:
+    while len(loads) < 2 and time.time() < deadline:
         time.sleep(0.01)
-    assert calls == ["init", "start_weight_update", "first bucket sent: True", "update_weights",
-                     "finish_weight_update"] and not errors
-    pairs, cuts = iter(source), []
-    while (chunk := pack_tensors(pairs, lambda item: item[1], 16)) is not None:
-        cuts.append(chunk.names)
-    assert [list(b) for b in loads] == cuts == [["0.weight"], ["0.bias", "1.weight"], ["1.bias"]]  # 3 > 2 ahead
-    assert all(torch.equal(b[k], v) for b in loads for k, v in net.state_dict().items() if k in b)
+    assert calls == ["init", 1, 2] and not errors
+    assert [list(b) for b in loads] == [list(net.state_dict())] * 2
+    assert all(torch.equal(b[k], v) and b[k].dtype == torch.bfloat16 for b, s in zip(loads, sent) for k, v in s.items())
     with torch.no_grad():
         net[1].bias[3] = float("nan")
-    link.send_weights({"version": 2, "stream": True}, trainer, 30.0)
+    link.send_weights({"version": 3, "stream": True}, trainer, 30.0)
     deadline = time.time() + 30
     while not errors and time.time() < deadline:
         time.sleep(0.01)
     actor.updates.put(None)
-    assert len(errors) == 1 and "non-finite values in 1.bias" in str(errors[0])
-    assert len(loads) == 5  # the update's first two buckets loaded, the one with the NaN did not
+    assert len(errors) == 1 and "non-finite values in 1.bias" in str(errors[0]) and len(loads) == 2
 
 
 def test_omp_bind_gives_each_tensor_parallel_worker_its_cores():
@@ -1036,14 +1033,14 @@ def _weight_update(model, version, probe_ids):
 
 def _push(stream, update):
     """vLLM's four calls to the actor and the weights to its workers (Link.send_weights): returns once the workers
-    received the last bucket."""
+    received the update."""
     (link, transfer), (header, model) = stream, update
     transfer.source = grpo.WireWeights(model, torch.float32)
     link.send_weights(header, transfer, 120.0)
 
 
 def _version_only(version, **probe):
-    return {"call": "update_weight_version", "version": version, **probe}
+    return {"version": version, **probe}  # no update_info: update_weight_version only
 
 
 @pytest.mark.slow

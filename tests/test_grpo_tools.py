@@ -361,7 +361,7 @@ def episode_actor(tool_model_dir):
             errors.append(e)
 
     threading.Thread(target=loop, daemon=True).start()
-    actor.updates.put({"call": "update_weight_version", "version": 0})
+    actor.updates.put({"version": 0})  # no weights: update_weight_version only
 
     def run(prompts, limit_s=120, watch=None):
         first = len(out)
