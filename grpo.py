@@ -1219,6 +1219,7 @@ class Link:
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
         self.header = {}  # of the update under way: its version and probe (vLLM's trainer engines pass none)
         self.streamed = None  # the version of the last update sent to the engines
+        self.workers_hold_update = False  # our gloo backend: the calls go once the update is in the workers
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         if local_actor is None:
             for r in actor_ranks:
@@ -1259,23 +1260,26 @@ class Link:
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
 
     # vLLM's four calls (its VLLMWeightSyncClient), made by learner 0's trainer engine; each actor makes them on its
-    # LLM between two engine steps (Actor._apply_update). An update's calls travel as one message, sent at
-    # update_weights, which vLLM calls while its trainer engine streams (NCCL's workers receive inside it); the
-    # actor makes each call once the one before returned. A call returns once sent; an actor's failure comes back
-    # as its error message.
+    # LLM between two engine steps (Actor._apply_update), each once the one before returned. An update's calls
+    # travel as one message: sent at update_weights for NCCL, whose workers receive inside it; at finish for our gloo
+    # backend, whose workers then hold the whole update, so that an engine pauses for the load only, never for the
+    # wire. A call returns once sent; an actor's failure comes back as its error message.
     def init_weight_transfer_engine(self, init_info: dict):
         if self.local is not None:  # the colocated actor thread has not started yet
             return self.local.init_weights(init_info)
         self._post({"init_info": init_info})
 
     def start_weight_update(self):
-        pass  # sent with update_weights
+        pass  # sent with the update
 
     def update_weights(self, update_info: dict):
-        self._post(dict(self.header, update_info=update_info))
+        self.update = dict(self.header, update_info=update_info)
+        if not self.workers_hold_update:
+            self._post(self.update)
 
     def finish_weight_update(self, weight_version: str | None = None):
-        pass  # sent with update_weights; the version and probe it carries are self.header
+        if self.workers_hold_update:  # the version and probe the update carries are self.header
+            self._post(self.update)
 
     def _post(self, msg: dict):
         if self.local is not None:
@@ -1295,6 +1299,7 @@ class Link:
         self.streamed, self.header = header["version"], {k: v for k, v in header.items() if k != "stream"}
         if not header.get("stream"):
             return self._post(self.header)
+        self.workers_hold_update = isinstance(transfer, GlooTrainerWeightTransferEngine)
         errors, done = [], threading.Event()
 
         def send():
