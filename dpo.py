@@ -174,7 +174,7 @@ class Args:
                                                  "help": "optimizer steps; overrides num_train_epochs when > 0"})
     learning_rate: float = field(default=1e-6, metadata={"help": "peak AdamW learning rate (Olmo 3 7B Instruct: 1e-6)"})
     lr_scheduler_type: str = field(default="linear", metadata={
-        "help": "linear | cosine decay to 0 after warmup (Olmo 3: linear)"})
+        "help": "linear | cosine decay to 0 after warmup, or constant (Olmo 3: linear)"})
     warmup_ratio: float = field(default=0.1, metadata={"help": "fraction of steps with linear warmup (Olmo 3: 0.1)"})
     weight_decay: float = field(default=0.0, metadata={
         "help": "AdamW weight decay on matrices; never on norms (Olmo 3: 0)"})
@@ -516,7 +516,7 @@ def check_memory_plan(plan: dict, available: int, knobs: str) -> str:
 # schedule, training FLOPs and the devices' peak FLOP/s (for MFU)
 # -------------------------------------------------------------------------------------------------
 def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
-    """Learning-rate multiplier: linear warmup to 1, then linear or cosine decay towards 0.
+    """Learning-rate multiplier: linear warmup to 1, then linear or cosine decay towards 0, or constant.
 
     A pure function of the step, so the step count is the whole scheduler state in a checkpoint.
     """
@@ -527,7 +527,9 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
         return 1.0 - progress
     if kind == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown lr_scheduler_type {kind!r} (linear | cosine)")
+    if kind == "constant":
+        return 1.0
+    raise ValueError(f"unknown lr_scheduler_type {kind!r} (linear | cosine | constant)")
 
 
 def train_flops(doc_lengths: list[int], non_embedding_params: int, num_layers: int, hidden_size: int) -> float:

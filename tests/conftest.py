@@ -46,10 +46,24 @@ def sandbox():
     return no_code_sandbox
 
 
+_BUILT = {}  # name -> directory: built once a session, by its fixture or by the SFT fixture's early start
+
+
+def _built(name: str, tmp_path_factory) -> str:
+    if name not in _BUILT:
+        out = str(tmp_path_factory.mktemp(name))
+        if name == "toy_model":
+            toy.write_model(out, seed=0)
+        else:
+            toy.write_data(out, seed=0, teacher_carry_slip=0.6, teacher_box_slip=0.0, distinct_training_problems=True)
+        _BUILT[name] = out
+    return _BUILT[name]
+
+
 @pytest.fixture(scope="session")
 def toy_model_dir(tmp_path_factory):
     """A randomly initialised tiny Olmo3ForCausalLM with the Olmo 3 tokenizer and template."""
-    return toy.write_model(str(tmp_path_factory.mktemp("toy_model")), seed=0)
+    return _built("toy_model", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -57,9 +71,7 @@ def toy_data_dir(tmp_path_factory):
     """The toy data without the teacher's box slip (the demo keeps it, default 0.75) and with a carry slip of 0.6
     (default 0.75): the tests that train on it need an SFT model whose greedy answers are right often enough to
     see a change either way. Distinct training problems (the demo's data lets them repeat)."""
-    out = str(tmp_path_factory.mktemp("toy_data"))
-    toy.write_data(out, seed=0, teacher_carry_slip=0.6, teacher_box_slip=0.0, distinct_training_problems=True)
-    return out
+    return _built("toy_data", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -70,32 +82,74 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
 
     About 6 minutes to train, so it is cached on disk (TEST_CACHE_DIR, default ~/.cache/olmo3-posttrain-tests),
     keyed by everything that makes it: the bytes of the toy model and data it starts from, sft.py,
-    chat_template.py, the arguments, and the torch / transformers versions. Any change trains it anew."""
-    sft_data = os.path.join(toy_data_dir, "sft.jsonl")
-    cached, store = cached_fixture_dir("toy_sft", _fixture_key(
-        [toy_model_dir, sft_data, os.path.join(REPO, "sft.py"), os.path.join(REPO, "chat_template.py")],
-        SFT_FIXTURE_ARGS))
+    chat_template.py, the arguments, and the torch / transformers versions. Any change trains it anew. On a
+    miss the training started at collection (see pytest_collection_modifyitems) is awaited; else it runs here."""
+    cached, store = cached_fixture_dir("toy_sft", _sft_fixture_key(toy_model_dir, toy_data_dir))
     if cached:
         return cached
+    if _EARLY_SFT:
+        proc, out, log = _EARLY_SFT.pop("proc"), _EARLY_SFT.pop("out"), _EARLY_SFT.pop("log")
+        try:
+            rc = proc.wait(timeout=SFT_FIXTURE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        if rc != 0:
+            raise RuntimeError(f"the SFT fixture's training exited {rc}:\n{open(log).read()[-3000:]}")
+        return store(out)
     out = str(tmp_path_factory.mktemp("toy_sft"))
-    cmd = [sys.executable, os.path.join(REPO, "sft.py"), *SFT_FIXTURE_ARGS,
-           "--model_name_or_path", toy_model_dir, "--dataset_mixer_list", sft_data, "1.0", "--output_dir", out]
-    # Two intra-op threads: the suite runs one process at a time here, and on two idle cores an SFT
-    # step takes 0.44 s with two threads vs 0.78 s with one (the fixture: 750 steps, ~6 min).
-    subprocess.run(cmd, check=True, cwd=REPO, timeout=SFT_FIXTURE_TIMEOUT_S, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    subprocess.run(_sft_fixture_cmd(toy_model_dir, toy_data_dir, out), check=True, cwd=REPO,
+                   timeout=SFT_FIXTURE_TIMEOUT_S, env=_SFT_FIXTURE_ENV)
     return store(out)
 
 
 SFT_FIXTURE_TIMEOUT_S = 3600  # 6 minutes alone; 17 beside other training, and more on a busier machine
+# Two intra-op threads: on two idle cores an SFT step takes 0.44 s with two threads vs 0.78 s with one (the
+# fixture: 750 steps, ~6 min).
+_SFT_FIXTURE_ENV = dict(os.environ, OMP_NUM_THREADS="2")
+_EARLY_SFT = {}  # the fixture's training when started at collection: proc, out, log
 
 
-def pytest_collection_modifyitems(items):
-    """pytest.ini's timeout (20 minutes) counts a test's fixtures too, so the first test to use the SFT fixture would
+def _sft_fixture_cmd(model_dir: str, data_dir: str, out: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "sft.py"), *SFT_FIXTURE_ARGS, "--model_name_or_path", model_dir,
+            "--dataset_mixer_list", os.path.join(data_dir, "sft.jsonl"), "1.0", "--output_dir", out]
+
+
+def _sft_fixture_key(model_dir: str, data_dir: str) -> str:
+    return _fixture_key([model_dir, os.path.join(data_dir, "sft.jsonl"), os.path.join(REPO, "sft.py"),
+                         os.path.join(REPO, "chat_template.py")], SFT_FIXTURE_ARGS)
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: only the tests that will run
+def pytest_collection_modifyitems(config, items):
+    """The tests that need the trained SFT model run last, and on a cache miss its training starts now, in the
+    background at the lowest CPU priority (nice 19): it takes the cycles the other tests leave idle (vLLM starting,
+    sandboxed programs and tools sleeping, processes waiting on each other) for most of the suite instead of
+    holding it up for 6 minutes, and the tests themselves keep the CPU whenever they want it.
+
+    pytest.ini's timeout (20 minutes) counts a test's fixtures too, so the first test to use the SFT fixture would
     be killed once the fixture's training passes 20 minutes (beside other training it did, and every later test that
     needs it then errored): those tests' timeout covers their own body only, and the training keeps its own bound."""
-    for item in items:
-        if "toy_sft_model_dir" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.timeout(item.config.getini("timeout"), func_only=True))
+    users = [item for item in items if "toy_sft_model_dir" in getattr(item, "fixturenames", ())]
+    for item in users:
+        item.add_marker(pytest.mark.timeout(config.getini("timeout"), func_only=True))
+    if not users:
+        return
+    ids = {id(item) for item in users}
+    items[:] = [item for item in items if id(item) not in ids] + users
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's tmp_path_factory, before any fixture exists
+    if factory is None or _EARLY_SFT or config.option.collectonly:
+        return
+    model_dir, data_dir = _built("toy_model", factory), _built("toy_data", factory)
+    if cached_fixture_dir("toy_sft", _sft_fixture_key(model_dir, data_dir))[0]:
+        return
+    out = str(factory.mktemp("toy_sft"))
+    log = out + ".log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["nice", "-n", "19", *_sft_fixture_cmd(model_dir, data_dir, out)], cwd=REPO,
+                                env=_SFT_FIXTURE_ENV, stdout=f, stderr=subprocess.STDOUT)
+    _EARLY_SFT.update(proc=proc, out=out, log=log)
+    config.add_cleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))  # none left behind a stopped run
 
 
 def cached_fixture_dir(name: str, key: str):

@@ -1311,13 +1311,13 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path):
-    """Start `torchrun --nproc-per-node 2 grpo.py` (1 learner + 1 actor, a checkpoint every step) in
-    its own session, logging to tmp_path/log.txt, and return once step 2 is saved: (out, proc, log)."""
+def _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path, timeout_s: int = 60):
+    """Start `torchrun --nproc-per-node 2 grpo.py` (1 learner + 1 actor, a checkpoint every step, --timeout_s
+    timeout_s) in its own session, logging to tmp_path/log.txt, and return once step 2 is saved: (out, proc, log)."""
     out = str(tmp_path / "run")
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", "1000", "--eval_every", "0",
                        "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--save_steps", "1",
-                       "--max_prompts_per_step_factor", "2", "--timeout_s", "60")
+                       "--max_prompts_per_step_factor", "2", "--timeout_s", str(timeout_s))
     log = open(tmp_path / "log.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -1620,10 +1620,10 @@ def test_two_nodes_learner_node_and_actor_node(killed_actor_run):
 
 @pytest.mark.slow
 def test_torchrun_stopped_engine_every_rank_fails_naming_the_actor(toy_model_dir, toy_data_dir, tmp_path):
-    """SIGSTOP the actor's vLLM engine processes mid-run (--timeout_s 60): nothing errors on its own (the
-    processes live, the gloo links stay up), yet every rank ends within about 70 s with an error that
+    """SIGSTOP the actor's vLLM engine processes mid-run (--timeout_s 30): nothing errors on its own (the
+    processes live, the gloo links stay up), yet every rank ends within about 40 s with an error that
     names the actor, and the stopped engine processes do not outlive the run."""
-    out, proc, log = _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path)
+    out, proc, log = _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path, timeout_s=30)
     engine = []
     try:
         text = open(tmp_path / "log.txt").read()
@@ -1647,7 +1647,7 @@ def test_torchrun_stopped_engine_every_rank_fails_naming_the_actor(toy_model_dir
         log.close()
     text = open(tmp_path / "log.txt").read()
     print(f"exited {rc} {elapsed:.1f}s after the SIGSTOP")
-    assert rc != 0 and elapsed < 80, (rc, elapsed, text[-3000:])
+    assert rc != 0 and elapsed < 50, (rc, elapsed, text[-3000:])
     learner = [line for line in text.splitlines() if "[rank 0] FATAL" in line]
     actor = [line for line in text.splitlines() if "[actor rank 1] FATAL" in line]
     print(*learner[:1], *actor[:1], sep="\n")

@@ -192,6 +192,8 @@ def test_lr_schedule():
     assert sft.lr_at(32, total, warmup, "cosine") == pytest.approx(
         0.5 * (1 + __import__("math").cos(__import__("math").pi * 22 / 90)))
     assert sft.lr_at(99, total, 0, "linear") == pytest.approx(0.01)
+    assert sft.lr_at(5, total, warmup, "constant") == pytest.approx(0.6)  # warmup, then the peak to the end
+    assert sft.lr_at(10, total, warmup, "constant") == sft.lr_at(99, total, warmup, "constant") == 1.0
     with pytest.raises(ValueError):
         sft.lr_at(50, total, warmup, "constant-ish")
 
