@@ -49,13 +49,17 @@ def sandbox():
 _BUILT = {}  # name -> directory: built once a session, by its fixture or by the SFT fixture's early start
 
 
+_BUILDERS = {
+    "toy_model": lambda out: toy.write_model(out, seed=0),
+    "toy_data": lambda out: toy.write_data(out, seed=0, teacher_carry_slip=0.6, teacher_box_slip=0.0,
+                                           distinct_training_problems=True),
+}
+
+
 def _built(name: str, tmp_path_factory) -> str:
     if name not in _BUILT:
         out = str(tmp_path_factory.mktemp(name))
-        if name == "toy_model":
-            toy.write_model(out, seed=0)
-        else:
-            toy.write_data(out, seed=0, teacher_carry_slip=0.6, teacher_box_slip=0.0, distinct_training_problems=True)
+        _BUILDERS[name](out)
         _BUILT[name] = out
     return _BUILT[name]
 
@@ -83,23 +87,21 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
     About 6 minutes to train, so it is cached on disk (TEST_CACHE_DIR, default ~/.cache/olmo3-posttrain-tests),
     keyed by everything that makes it: the bytes of the toy model and data it starts from, sft.py,
     chat_template.py, the arguments, and the torch / transformers versions. Any change trains it anew. On a
-    miss the training started at collection (see pytest_collection_modifyitems) is awaited; else it runs here."""
+    miss it awaits the training started at collection (see pytest_collection_modifyitems), or starts it here."""
     cached, store = cached_fixture_dir("toy_sft", _sft_fixture_key(toy_model_dir, toy_data_dir))
     if cached:
         return cached
-    if _EARLY_SFT:
-        proc, out, log = _EARLY_SFT.pop("proc"), _EARLY_SFT.pop("out"), _EARLY_SFT.pop("log")
-        try:
-            rc = proc.wait(timeout=SFT_FIXTURE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+    if not _SFT_TRAINING:
+        _start_sft_training(toy_model_dir, toy_data_dir, str(tmp_path_factory.mktemp("toy_sft")), background=False)
+    proc, out, log = _SFT_TRAINING.pop("proc"), _SFT_TRAINING.pop("out"), _SFT_TRAINING.pop("log")
+    try:
+        rc = proc.wait(timeout=SFT_FIXTURE_TIMEOUT_S)
+    finally:  # a timeout or an interrupt leaves no trainer behind
+        if proc.poll() is None:
             proc.kill()
-            raise
-        if rc != 0:
-            raise RuntimeError(f"the SFT fixture's training exited {rc}:\n{open(log).read()[-3000:]}")
-        return store(out)
-    out = str(tmp_path_factory.mktemp("toy_sft"))
-    subprocess.run(_sft_fixture_cmd(toy_model_dir, toy_data_dir, out), check=True, cwd=REPO,
-                   timeout=SFT_FIXTURE_TIMEOUT_S, env=_SFT_FIXTURE_ENV)
+            proc.wait()
+    if rc != 0:
+        raise RuntimeError(f"the SFT fixture's training exited {rc}:\n{open(log).read()[-3000:]}")
     return store(out)
 
 
@@ -107,7 +109,7 @@ SFT_FIXTURE_TIMEOUT_S = 3600  # 6 minutes alone; 17 beside other training, and m
 # Two intra-op threads: on two idle cores an SFT step takes 0.44 s with two threads vs 0.78 s with one (the
 # fixture: 750 steps, ~6 min).
 _SFT_FIXTURE_ENV = dict(os.environ, OMP_NUM_THREADS="2")
-_EARLY_SFT = {}  # the fixture's training when started at collection: proc, out, log
+_SFT_TRAINING = {}  # the fixture's training once started (at collection, or by the fixture): proc, out, log
 
 
 def _sft_fixture_cmd(model_dir: str, data_dir: str, out: str) -> list[str]:
@@ -138,26 +140,41 @@ def pytest_collection_modifyitems(config, items):
     ids = {id(item) for item in users}
     items[:] = [item for item in items if id(item) not in ids] + users
     factory = getattr(config, "_tmp_path_factory", None)  # pytest's tmp_path_factory, before any fixture exists
-    if factory is None or _EARLY_SFT or config.option.collectonly:
+    if factory is None or _SFT_TRAINING or config.option.collectonly:
         return
     model_dir, data_dir = _built("toy_model", factory), _built("toy_data", factory)
     if cached_fixture_dir("toy_sft", _sft_fixture_key(model_dir, data_dir))[0]:
         return
-    out = str(factory.mktemp("toy_sft"))
+    _start_sft_training(model_dir, data_dir, str(factory.mktemp("toy_sft")), background=True)
+    config.add_cleanup(_stop_sft_training)  # none left behind a run that stopped before the fixture
+
+
+def _start_sft_training(model_dir: str, data_dir: str, out: str, background: bool) -> None:
+    """sft.py with SFT_FIXTURE_ARGS into `out`, its output into out.log; recorded in _SFT_TRAINING for the fixture.
+    In the background it runs at the lowest CPU priority, in its own session (see pytest_collection_modifyitems)."""
     log = out + ".log"
-    with open(log, "w") as f:
+    cmd, env = _sft_fixture_cmd(model_dir, data_dir, out), _SFT_FIXTURE_ENV
+    if background:
         # OMP_WAIT_POLICY=passive: a thread waiting for its partner sleeps instead of spinning, as a thread at the
         # lowest priority is often preempted by the tests (the spinning would take their cycles and waste its own)
-        proc = subprocess.Popen(["nice", "-n", "19", *_sft_fixture_cmd(model_dir, data_dir, out)], cwd=REPO,
-                                env=dict(_SFT_FIXTURE_ENV, OMP_WAIT_POLICY="passive"), stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    # Where the kernel groups processes by session (sched_autogroup), nice orders processes within a group only, and
-    # the tests that start their own session (torchrun) would share the CPU equally with the training: its own
-    # session, at the group's lowest priority.
-    with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/autogroup", "w") as f:
-        f.write("19")
-    _EARLY_SFT.update(proc=proc, out=out, log=log)
-    config.add_cleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))  # none left behind a stopped run
+        cmd, env = ["nice", "-n", "19", *cmd], dict(env, OMP_WAIT_POLICY="passive")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=background)
+    if background:
+        # Where the kernel groups processes by session (sched_autogroup), nice orders processes within a group only,
+        # and the tests that start their own session (torchrun) would share the CPU equally with the training: its
+        # own session, at the group's lowest priority.
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/autogroup", "w") as f:
+            f.write("19")
+    _SFT_TRAINING.update(proc=proc, out=out, log=log)
+
+
+def _stop_sft_training() -> None:
+    proc = _SFT_TRAINING.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def cached_fixture_dir(name: str, key: str):
