@@ -8,7 +8,7 @@
 # Each stage starts from the previous stage's output (Olmo 3 sec 4: the final RL run starts from the DPO
 # checkpoint); what the results table shows and what varies between runs: docs/demo.md.
 # DEMO_SHORT=1 shrinks every stage to a smoke run (the test suite uses it); the numbers are then meaningless.
-# A full run took 16 to 17 minutes on two idle CPU cores (AVX-512; 25 to 33 on an older machine).
+# A full run took 16 to 18 minutes on two idle CPU cores (AVX-512; 25 to 33 on an older machine).
 set -euo pipefail
 cd "$(dirname "$0")"
 

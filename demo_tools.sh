@@ -5,11 +5,12 @@
 #   DEMO_DIR=out bash demo_tools.sh       # same, with the venv's python on PATH or PYTHON=.venv/bin/python
 #   DEMO_SEED=1 make demo-tools           # another seed for the training stages (docs/demo.md: what varies)
 #
-# The task (toy.py tool_data): sums of two or three 4-7 digit numbers, which a tiny model cannot do in its
-# head but can with the `calculator` tool (toy.TOOLS). SFT traces, in Olmo 3's function-calling format, call
-# the tool on some problems and box a guess on others. From the SFT checkpoint, one RL run offers the tool
-# (grpo.py --tools_module toy.py: multi-turn episodes) and one gets the same problems without it; the table
-# gives each checkpoint's greedy accuracy on held-out problems with and without the tool, and its tool calls.
+# The task (toy.py tool_data): sums and differences of two 4-digit numbers, which a tiny model cannot work out
+# in its head but can with the `calculator` tool (toy.TOOLS). SFT traces, in Olmo 3's function-calling format,
+# call the tool on half the problems it is offered on and box an estimate otherwise. From the SFT checkpoint,
+# one RL run offers the tool (grpo.py --tools_module toy.py: multi-turn episodes) and one gets the same
+# problems without it; the table gives each checkpoint's greedy accuracy on held-out problems with and without
+# the tool, and its tool calls. About 10 minutes on two CPU cores (docs/demo.md).
 # DEMO_SHORT=1 shrinks every stage to a smoke run; the numbers are then meaningless.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,12 +33,11 @@ if [ "$SHORT" = 1 ]; then
     RL_ARGS=(--num_training_steps 2 --eval_every 0 --num_unique_prompts_per_step 4 --num_samples_per_prompt 4)
     DATA_ARGS=(--num_sft 64 --num_rlvr 64 --num_eval 16)
 else
-    # SFT: 900 steps of 16 conversations; copying a 9-23 character expression into the call is the slow part
-    # (docs/demo.md). RL: 15 steps of 8 prompts x 8 samples each. 100 held-out problems: about a minute per
-    # checkpoint and eval file.
-    SFT_ARGS=(--max_steps 900)
-    RL_ARGS=(--num_training_steps 15 --eval_every 0 --logging_steps 5)
-    DATA_ARGS=(--num_eval 100)
+    # SFT: 300 steps of 16 conversations, by when the model copies the problem into the call and the result
+    # into the box (docs/demo.md). RL: 12 steps of 8 prompts x 8 samples. 50 held-out problems.
+    SFT_ARGS=(--max_steps 300)
+    RL_ARGS=(--num_training_steps 12 --eval_every 0 --logging_steps 2)
+    DATA_ARGS=(--num_eval 50)
 fi
 
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
@@ -48,12 +48,12 @@ $PY toy.py model "$OUT/base"
 $PY toy.py tool_data "$OUT/data" "${DATA_ARGS[@]}"
 
 stage "2/5 SFT on function-calling traces (sft.py)"
-# learns the call format, to copy the expression into the call and the result into the box, and the
-# teacher's habit: the tool on every three-operand problem, on half of the two-operand ones
+# learns the call format, to copy the problem into the call and the result into the box, and the teacher's
+# habit: an estimate instead of a call half the time
 solo $PY sft.py --model_name_or_path "$OUT/base" --dataset_mixer_list "$OUT/data/sft_tools.jsonl" 1.0 \
     --output_dir "$OUT/sft" --overwrite_output_dir --learning_rate 2e-3 --per_device_train_batch_size 16 \
-    --gradient_accumulation_steps 1 --warmup_ratio 0.05 --max_seq_length 384 --save_steps 0 --seed "$SEED" \
-    --logging_steps 100 "${SFT_ARGS[@]}"
+    --gradient_accumulation_steps 1 --warmup_ratio 0.05 --lr_scheduler_type constant --max_seq_length 384 \
+    --save_steps 0 --seed "$SEED" --logging_steps 50 "${SFT_ARGS[@]}"
 
 rl() {  # rl NAME DATA [grpo.py flags...]: one RL run from the SFT checkpoint
     local name=$1 data=$2
@@ -63,17 +63,18 @@ rl() {  # rl NAME DATA [grpo.py flags...]: one RL run from the SFT checkpoint
         --dataset_mixer_list "$data" 1.0 \
         --learning_rate 1e-4 --lr_scheduler_type constant --num_unique_prompts_per_step 8 --num_samples_per_prompt 8 \
         --max_response_length 96 --max_prompt_length 256 --max_num_seqs 64 --enforce_eager --seed "$SEED" \
-        "${RL_ARGS[@]}" "$@"
+        --max_prompts_per_step_factor 2 "${RL_ARGS[@]}" "$@"
 }
 
 stage "3/5 RL with the tool (grpo.py --tools_module toy.py)"
-# multi-turn episodes: a call's result comes back as an environment turn; only a right final answer is rewarded
+# multi-turn episodes: a call's result comes back as an environment turn; only a right final answer is rewarded.
+# Active sampling draws at most 2 x 8 prompts a step (--max_prompts_per_step_factor): once the model calls on
+# every problem, most groups are all right and, uncapped, it drew up to 12 x 8 a step.
 rl rl_tools "$OUT/data/rlvr_tools.jsonl" --tools_module toy.py --max_tool_turns 5
 
 stage "4/5 RL without the tool (the same problems)"
-# Without the tool no sample is right, so no group has an advantage to learn from and active sampling would
-# draw 20 x 8 prompts per step in vain (15 minutes for 15 steps that change no weight): at most 2 x 8 here.
-rl rl_notools "$OUT/data/rlvr_notools.jsonl" --max_prompts_per_step_factor 2
+# Without the tool almost no sample is right, so almost no group has an advantage to learn from
+rl rl_notools "$OUT/data/rlvr_notools.jsonl"
 
 stage "5/5 greedy tool episodes on the held-out problems"
 last() { ls -d "$OUT/$1"/checkpoints/step_* | sort -V | tail -n 1; }  # grpo.py's last checkpoint

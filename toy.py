@@ -502,7 +502,7 @@ def report(stage_dirs: dict[str, str], eval_path: str, out_dir: str, max_new_tok
 
 
 # ---------------------------------------------------------------------------------------------
-# Tool use: sums of large numbers, which a tiny model gets right only with the calculator
+# Tool use: sums and differences of 4-digit numbers, which a tiny model gets right only with the calculator
 # ---------------------------------------------------------------------------------------------
 # The tool grpo.py offers with `--tools_module toy.py`: any file whose TOOLS maps a name to a function
 # that takes the parsed call's arguments and returns text.
@@ -549,27 +549,29 @@ def calculator(expression: str) -> str:
 TOOLS = {"calculator": calculator}
 
 
-def make_big_problem(rng: random.Random, min_digits: int, max_digits: int, num_operands: int) -> tuple[str, int]:
-    """An expression like `48213+90127-5531` (each operand has min_digits..max_digits digits) and its value;
-    running values stay >= 0, as in `make_problem`."""
-    def operand():
-        digits = rng.randint(min_digits, max_digits)
-        return rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+# The prompt styles whose problem ends one punctuation token before the user turn does ("{expr} = ?" is left out):
+# with fixed widths (make_tool_problem) every copy an episode needs then spans one distance.
+TOOL_PROMPT_STYLES = PROMPT_STYLES[:3]
 
-    value = operand()
-    expr = str(value)
-    for _ in range(num_operands - 1):
-        n = operand()
-        if rng.random() < 0.5 or n > value:
-            value, expr = value + n, f"{expr}+{n}"
-        else:
-            value, expr = value - n, f"{expr}-{n}"
-    return expr, value
+
+def make_tool_problem(rng: random.Random, digits: int) -> tuple[str, int]:
+    """`a+b` or `a-b` (even odds) and its value, the two operands and the value all `digits` digits wide
+    (4: `3187+4205`, `8031-2514`). Fixed widths put each copy an episode needs (the problem into the call, the
+    result into the box, the problem into a restatement) at one distance from its source, which the toy model
+    learns within the demo's 300 SFT steps; with two or three operands of 4 to 7 digits it took about 600
+    (docs/demo.md)."""
+    low, half = 10 ** (digits - 1), 10 ** digits // 2
+    if rng.random() < 0.5:
+        a, b = rng.randint(low, half - 1), rng.randint(low, half - 1)
+        return f"{a}+{b}", a + b
+    a, b = rng.randint(half, 10 ** digits - 1), rng.randint(low, half - low - 1)
+    return f"{a}-{b}", a - b
 
 
 def estimate(expr: str) -> int:
     """The teacher's answer without the tool: each operand rounded to its two leading digits, then summed
-    (48213+90127 -> 48000+90000 = 138000). Plausible and almost never right."""
+    (3187+4251 -> 3200+4300 = 7500). Plausible, and right on about 1 in 100 problems of 4-digit numbers (when the
+    roundings cancel)."""
     numbers, ops = parse_expression(expr)
     rounded = [round(n, 2 - len(str(n))) for n in numbers]
     value = rounded[0]
@@ -578,12 +580,20 @@ def estimate(expr: str) -> int:
     return value
 
 
+# What the teacher writes before restating the problem when it guesses, and between its estimate and the box: as
+# many toy tokens as the call's `<function_calls>calculator(expression="` (16) and as what lies between the
+# calculator's result and the boxed answer (`<|im_end|>`, the environment turn's end, a new assistant header and
+# `\boxed{`: 8). So every copy a row asks for spans the same distance with or without the tool, and the cheap guess
+# rows (no schema in the system turn) train the copies a call needs (tests/test_toy.py checks the counts).
+GUESS_PREFIX = "Estimating, without the tool: "
+GUESS_TO_BOX = ". The answer: \\boxed{"
+
+
 def guess_text(expr: str) -> str:
-    """The teacher's answer without the tool. It restates the problem first (`48213+90127 is about 138000.`), as
-    the call does: copying the expression is the skill a call needs most, and rows that offer no tool are four
-    times shorter than rows whose system turn spells out the schema, so they teach it at a quarter of the cost."""
+    """The teacher's answer without the tool: the problem restated, its estimate, the estimate boxed
+    (`Estimating, without the tool: 4821+3012 is about 7800. The answer: \\boxed{7800}`)."""
     guess = estimate(expr)
-    return f"{expr} is about {guess}. \\boxed{{{guess}}}"
+    return f"{GUESS_PREFIX}{expr} is about {guess}{GUESS_TO_BOX}{guess}}}"
 
 
 def tool_trace(expr: str, answer: int) -> list[dict]:
@@ -594,34 +604,34 @@ def tool_trace(expr: str, answer: int) -> list[dict]:
             {"role": "assistant", "content": "\\boxed{" + str(answer) + "}"}]
 
 
-def generate_tool_data(seed: int = 0, num_sft: int = 4000, num_rlvr: int = 2000, num_eval: int = 200,
-                       min_digits: int = 4, max_digits: int = 7, teacher_tool_rates: tuple[float, float] = (0.5, 1.0),
-                       sft_notools_fraction: float = 0.5) -> dict:
+def generate_tool_data(seed: int = 0, num_sft: int = 8000, num_rlvr: int = 2000, num_eval: int = 200,
+                       digits: int = 4, teacher_tool_rate: float = 0.5, sft_notools_fraction: float = 0.25) -> dict:
     """The tool task's splits as lists of rows: sft_tools, rlvr_tools, rlvr_notools, eval_tools, eval_notools.
 
-    Every problem has two or three operands and is drawn distinct (collisions are rare at these sizes, but an
+    Every problem is a sum or difference of two `digits`-digit numbers (`make_tool_problem`), drawn distinct (an
     eval problem must never be trained on). SFT traces come from a teacher that, offered the calculator, calls it
-    with probability teacher_tool_rates[0] on two-operand problems and [1] on three-operand ones, and otherwise
-    restates the problem and boxes its estimate (`guess_text`); a fraction sft_notools_fraction of the SFT rows
-    offers no tool, and there it always guesses. Because the rate depends on the problem, greedy decoding after
-    SFT calls the tool on every three-operand problem and on some two-operand ones (a quarter, in one
-    measurement), and sampling calls it on about half of those: that is what RL with the tool has to reinforce.
-    RLVR and eval rows are the same problems with and without the tool (`tools` absent), answers true."""
+    with probability teacher_tool_rate and otherwise restates the problem and boxes its estimate (`guess_text`); a
+    fraction sft_notools_fraction of the SFT rows offers no tool, and there it always guesses. With the defaults
+    3 rows in 8 are calls, and a model sampled after SFT calls on about half the problems it is offered the tool
+    on: RL with the tool has to learn to call on all of them. RLVR and eval rows are the same problems with and
+    without the tool (`tools` absent), answers true."""
     rng = random.Random(seed)
     total = num_sft + num_rlvr + num_eval
+    if total > 10 ** (2 * digits - 2):  # far fewer than the distinct problems, or the loop below would not end
+        raise ValueError(f"{total} distinct problems of {digits} digits: use more digits or fewer rows")
     seen, problems = set(), []
     while len(problems) < total:
-        expr, answer = make_big_problem(rng, min_digits, max_digits, rng.randint(2, 3))
+        expr, answer = make_tool_problem(rng, digits)
         if expr not in seen:  # the prompt is drawn with its problem: the eval rows do not depend on num_sft
             seen.add(expr)
-            problems.append((expr, answer, rng.choice(PROMPT_STYLES).format(expr=expr)))
+            problems.append((expr, answer, rng.choice(TOOL_PROMPT_STYLES).format(expr=expr)))
     eval_problems, rlvr_problems, sft_problems = (problems[:num_eval], problems[num_eval:num_eval + num_rlvr],
                                                  problems[num_eval + num_rlvr:])
     splits = {"sft_tools": []}
     for expr, answer, prompt in sft_problems:
         messages = [{"role": "user", "content": prompt}]
         offered = rng.random() >= sft_notools_fraction
-        if offered and rng.random() < teacher_tool_rates[expr.count("+") + expr.count("-") - 1]:
+        if offered and rng.random() < teacher_tool_rate:
             messages += tool_trace(expr, answer)
         else:
             messages.append({"role": "assistant", "content": guess_text(expr)})
@@ -779,10 +789,10 @@ def tool_evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 48, max_
         found.append(result.error is None)
         called.append(e["called"])
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    by_operands = {}
+    by_operation = {}  # sums and differences, about half the problems each
     for row, score, e in zip(rows, scores, episodes):
         expr = re.search(r"\d+(?:[+-]\d+)+", row["messages"][-1]["content"]).group(0)
-        by_operands.setdefault(len(re.findall(r"[+-]", expr)) + 1, []).append((score, e["called"]))
+        by_operation.setdefault("difference" if "-" in expr else "sum", []).append((score, e["called"]))
     errors = {}
     for e in episodes:
         for kind in e["errors"]:
@@ -794,8 +804,8 @@ def tool_evaluate(model_dir: str, eval_path: str, max_new_tokens: int = 48, max_
         "tool_turns_per_episode": mean([e["tool_turns"] for e in episodes]),
         "episodes_calling": mean(called),
         "accuracy_when_calling": mean([s for s, c in zip(scores, called) if c]) if any(called) else None,
-        "accuracy_by_operands": {k: mean([s for s, _ in v]) for k, v in sorted(by_operands.items())},
-        "calling_by_operands": {k: mean([c for _, c in v]) for k, v in sorted(by_operands.items())},
+        "accuracy_by_operation": {k: mean([s for s, _ in v]) for k, v in sorted(by_operation.items())},
+        "calling_by_operation": {k: mean([c for _, c in v]) for k, v in sorted(by_operation.items())},
         "answer_found": mean(found),
         "tool_errors": errors,
         "num_examples": len(rows),
@@ -877,15 +887,14 @@ def main():
                                                    "rlvr_tools / rlvr_notools, eval_tools / eval_notools")
     p_tool_data.add_argument("out_dir")
     p_tool_data.add_argument("--seed", type=int, default=0)
-    p_tool_data.add_argument("--num_sft", type=int, default=4000)
+    p_tool_data.add_argument("--num_sft", type=int, default=8000)
     p_tool_data.add_argument("--num_rlvr", type=int, default=2000)
     p_tool_data.add_argument("--num_eval", type=int, default=200)
-    p_tool_data.add_argument("--min_digits", type=int, default=4, help="digits of the smallest operands")
-    p_tool_data.add_argument("--max_digits", type=int, default=7, help="digits of the largest operands")
-    p_tool_data.add_argument("--teacher_tool_rates", type=float, nargs=2, default=(0.5, 1.0), metavar=("TWO", "THREE"),
-                             help="probability that the SFT teacher, offered the calculator, calls it on problems "
-                                  "with two / three operands (otherwise it boxes an estimate)")
-    p_tool_data.add_argument("--sft_notools_fraction", type=float, default=0.5,
+    p_tool_data.add_argument("--digits", type=int, default=4, help="digits of both operands and of the value")
+    p_tool_data.add_argument("--teacher_tool_rate", type=float, default=0.5,
+                             help="probability that the SFT teacher, offered the calculator, calls it (otherwise it "
+                                  "boxes an estimate)")
+    p_tool_data.add_argument("--sft_notools_fraction", type=float, default=0.25,
                              help="SFT rows that offer no tool (the teacher boxes its estimate)")
     p_tool_eval = sub.add_parser("tool_eval", help="greedy multi-turn accuracy and tool calls of a model on a tool "
                                                    "eval JSONL (e.g. OUT_DIR/eval_tools.jsonl)")
@@ -913,7 +922,6 @@ def main():
         print(json.dumps(tool_evaluate(**args), indent=2))
         return
     if command == "tool_data":
-        args["teacher_tool_rates"] = tuple(args["teacher_tool_rates"])
         paths = write_tool_data(args.pop("out_dir"), **args)
         print("\n".join(f"wrote {p}" for p in paths.values()))
         return

@@ -4,6 +4,7 @@ import collections
 import filecmp
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -359,38 +360,58 @@ def test_tool_data_is_deterministic_held_out_and_answered(tmp_path):
         for row in split[f"{name}_notools"]:
             expr = tool_expression(row)
             assert row["verifier"] == "math" and row["ground_truth"] == str(evaluate_expression(expr))
-            numbers = re.findall(r"\d+", expr)
-            assert len(numbers) in (2, 3) and all(4 <= len(n) <= 7 for n in numbers)
-            assert all(int(v) >= 0 for v in re.findall(r"\d+", row["ground_truth"]))
+            # two operands and the value, all four digits wide (so every copy spans one distance), in a prompt
+            # that ends one punctuation mark after the problem
+            assert re.fullmatch(r"\d{4}[+-]\d{4}", expr) and re.fullmatch(r"\d{4}", row["ground_truth"])
+            assert row["messages"][0]["content"] in [style.format(expr=expr) for style in toy.TOOL_PROMPT_STYLES]
     # the eval rows do not depend on how much training data is drawn
     toy.write_tool_data(b, seed=3, num_sft=10, num_rlvr=100, num_eval=50)
     assert filecmp.cmp(os.path.join(a, "eval_tools.jsonl"), os.path.join(b, "eval_tools.jsonl"), shallow=False)
 
 
-def test_tool_sft_traces_call_the_tool_always_on_three_operands_half_the_time_on_two():
-    rows = toy.generate_tool_data(seed=0, num_sft=4000, num_rlvr=0, num_eval=0)["sft_tools"]
-    calls = collections.Counter()
-    offered = collections.Counter()
-    for row in rows:
-        expr = tool_expression(row)
-        operands = len(re.findall(r"[+-]", expr)) + 1
-        answer = evaluate_expression(expr)
-        if len(row["messages"]) == 2:  # a direct answer: the problem restated, the teacher's estimate, boxed
-            guess = toy.estimate(expr)
-            assert row["messages"][1] == {"role": "assistant", "content": f"{expr} is about {guess}. \\boxed{{{guess}}}"}
-        else:
-            assert row["tools"] == [toy.CALCULATOR_SCHEMA]
-            user, call, result, final = row["messages"]
-            assert call["tool_calls"] == [{"function": {"name": "calculator", "arguments": {"expression": expr}}}]
-            assert result == {"role": "tool", "content": str(answer)}
-            assert final == {"role": "assistant", "content": f"\\boxed{{{answer}}}"}
-            calls[operands] += 1
-        offered[operands] += row["tools"] is not None
-    assert abs(sum(offered.values()) / len(rows) - 0.5) < 0.03
-    assert abs(calls[2] / offered[2] - 0.5) < 0.04 and calls[3] == offered[3], (calls, offered)
-    # a guess is almost never right: without the tool the task is out of reach
-    assert toy.estimate("48213+90127") == 138000
-    assert sum(toy.estimate(tool_expression(r)) == evaluate_expression(tool_expression(r)) for r in rows) < 0.01 * len(rows)
+def test_tool_problems_keep_both_operands_and_the_value_at_one_width():
+    rng = random.Random(0)
+    for digits in (1, 2, 4, 6):
+        for _ in range(2000):
+            expr, value = toy.make_tool_problem(rng, digits)
+            a, _, b = re.fullmatch(r"(\d+)([+-])(\d+)", expr).groups()
+            assert len(a) == len(b) == len(str(value)) == digits and value == evaluate_expression(expr), expr
+    with pytest.raises(ValueError, match="distinct problems of 2 digits"):
+        toy.generate_tool_data(digits=2, num_sft=101, num_rlvr=0, num_eval=0)
+
+
+def check_tool_trace(row):
+    """A row is a guess (the problem restated, the teacher's estimate boxed) or a solved call; True for a call."""
+    expr = tool_expression(row)
+    answer = evaluate_expression(expr)
+    if len(row["messages"]) == 2:
+        guess = toy.estimate(expr)
+        assert row["messages"][1] == {"role": "assistant", "content": (f"Estimating, without the tool: {expr} is about "
+                                                                       f"{guess}. The answer: \\boxed{{{guess}}}")}
+        return False
+    assert row["tools"] == [toy.CALCULATOR_SCHEMA]
+    user, call, result, final = row["messages"]
+    assert call["tool_calls"] == [{"function": {"name": "calculator", "arguments": {"expression": expr}}}]
+    assert result == {"role": "tool", "content": str(answer)}
+    assert final == {"role": "assistant", "content": f"\\boxed{{{answer}}}"}
+    return True
+
+
+def test_tool_sft_traces_call_the_tool_on_half_the_problems_it_is_offered_on_and_guess_otherwise():
+    rows = toy.generate_tool_data(seed=0, num_sft=6000, num_rlvr=0, num_eval=0)["sft_tools"]
+    calls = [check_tool_trace(row) for row in rows]
+    offered = [row["tools"] is not None for row in rows]
+    assert abs(sum(offered) / len(rows) - 0.75) < 0.03 and abs(sum(calls) / sum(offered) - 0.5) < 0.03
+    assert not any(call and not tool for call, tool in zip(calls, offered))  # guesses beside the tool and without
+    # a teacher that always calls when offered the tool guesses only without it
+    rows = toy.generate_tool_data(seed=0, num_sft=2000, num_rlvr=0, num_eval=0, teacher_tool_rate=1.0,
+                                  sft_notools_fraction=0.5)["sft_tools"]
+    calls = [check_tool_trace(row) for row in rows]
+    assert calls == [row["tools"] is not None for row in rows] and abs(sum(calls) / len(rows) - 0.5) < 0.04
+    # a guess is rarely right (each operand rounded to hundreds: about 1 in 100): without the tool the task is
+    # out of reach
+    assert toy.estimate("48213+90127") == 138000 and toy.estimate("3187+4251") == 7500
+    assert sum(toy.estimate(tool_expression(r)) == evaluate_expression(tool_expression(r)) for r in rows) < 0.02 * len(rows)
 
 
 def test_tool_rows_render_and_train_on_the_call_and_the_answer_only(toy_model_dir, tmp_path):
@@ -427,6 +448,34 @@ def test_tool_rows_render_and_train_on_the_call_and_the_answer_only(toy_model_di
     dataset, dropped = chat_template.tokenize_sft(chat_template.load_mixture([str(path), "1.0"]), tokenizer,
                                                   max_length=384, cache_dir="")
     assert len(dataset) == 200, dropped
+
+
+def test_tool_guesses_ask_for_the_copies_a_call_asks_for_at_the_same_distances(toy_model_dir):
+    # The guess rows are cheap (no schema in the system turn) and teach the copy a call needs only if the copies
+    # span the same number of tokens: the problem into the call or the restatement, the result or the estimate
+    # into the box. This holds for the toy tokenizer; another tokenizer may count differently.
+    from transformers import AutoTokenizer
+
+    import chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+
+    def distance(messages, tools, copied):  # tokens from the first occurrence of `copied` to the second
+        ids = tokenizer.encode(chat_template.render(messages, tools=tools), add_special_tokens=False)
+        pattern = tokenizer.encode(copied, add_special_tokens=False)
+        found = [i for i in range(len(ids)) if ids[i:i + len(pattern)] == pattern]
+        assert len(found) == 2, (copied, found)
+        return found[1] - found[0]
+
+    expr, answer = "3187+4205", 7392
+    guess = toy.estimate(expr)
+    for style in toy.TOOL_PROMPT_STYLES:
+        user = [{"role": "user", "content": style.format(expr=expr)}]
+        call = user + toy.tool_trace(expr, answer)
+        guessed = user + [{"role": "assistant", "content": toy.guess_text(expr)}]
+        for tools in ([toy.CALCULATOR_SCHEMA], None):  # a guess beside the tool, or without it
+            assert distance(call, [toy.CALCULATOR_SCHEMA], expr) == distance(guessed, tools, expr) == 9 + 6 + 16
+            assert distance(call, [toy.CALCULATOR_SCHEMA], str(answer)) == distance(guessed, tools, str(guess)) == 4 + 8
 
 
 class ScriptedModel:
