@@ -582,9 +582,9 @@ def estimate(expr: str) -> int:
 
 # What the teacher writes before restating the problem when it guesses, and between its estimate and the box: as
 # many toy tokens as the call's `<function_calls>calculator(expression="` (16) and as what lies between the
-# calculator's result and the boxed answer (`<|im_end|>`, the environment turn's end, a new assistant header and
-# `\boxed{`: 8). So every copy a row asks for spans the same distance with or without the tool, and the cheap guess
-# rows (no schema in the system turn) train the copies a call needs (tests/test_toy.py checks the counts).
+# calculator's result and the boxed answer (the environment turn's `<|im_end|>`, a new assistant header and
+# `\boxed{`: 8). So every copy a row asks for spans the same distance with or without the tool, and the guess rows
+# train the copies a call needs (tests/test_toy.py checks the counts).
 GUESS_PREFIX = "Estimating, without the tool: "
 GUESS_TO_BOX = ". The answer: \\boxed{"
 

@@ -451,9 +451,9 @@ def test_tool_rows_render_and_train_on_the_call_and_the_answer_only(toy_model_di
 
 
 def test_tool_guesses_ask_for_the_copies_a_call_asks_for_at_the_same_distances(toy_model_dir):
-    # The guess rows are cheap (no schema in the system turn) and teach the copy a call needs only if the copies
-    # span the same number of tokens: the problem into the call or the restatement, the result or the estimate
-    # into the box. This holds for the toy tokenizer; another tokenizer may count differently.
+    # The guess rows teach the copies a call needs only if the copies span the same number of tokens: the problem
+    # into the call or the restatement, the result or the estimate into the box. This holds for the toy
+    # tokenizer; another tokenizer may count differently.
     from transformers import AutoTokenizer
 
     import chat_template
