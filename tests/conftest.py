@@ -97,9 +97,7 @@ def toy_sft_model_dir(toy_model_dir, toy_data_dir, tmp_path_factory):
     try:
         rc = proc.wait(timeout=SFT_FIXTURE_TIMEOUT_S)
     finally:  # a timeout or an interrupt leaves no trainer behind
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_if_running(proc)
     if rc != 0:
         raise RuntimeError(f"the SFT fixture's training exited {rc}:\n{open(log).read()[-3000:]}")
     return store(out)
@@ -172,7 +170,12 @@ def _start_sft_training(model_dir: str, data_dir: str, out: str, background: boo
 
 def _stop_sft_training() -> None:
     proc = _SFT_TRAINING.pop("proc", None)
-    if proc is not None and proc.poll() is None:
+    if proc is not None:
+        _kill_if_running(proc)
+
+
+def _kill_if_running(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.kill()
         proc.wait()
 
