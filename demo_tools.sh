@@ -10,7 +10,7 @@
 # call the tool on half the problems it is offered on and box an estimate otherwise. From the SFT checkpoint,
 # one RL run offers the tool (grpo.py --tools_module toy.py: multi-turn episodes) and one gets the same
 # problems without it; the table gives each checkpoint's greedy accuracy on held-out problems with and without
-# the tool, and its tool calls. About 10 minutes on two CPU cores (docs/demo.md).
+# the tool, and its tool calls. About 8 minutes on two CPU cores (docs/demo.md).
 # DEMO_SHORT=1 shrinks every stage to a smoke run; the numbers are then meaningless.
 set -euo pipefail
 cd "$(dirname "$0")"
