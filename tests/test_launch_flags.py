@@ -451,3 +451,102 @@ def test_wandb_follows_its_own_mode_with_project_entity_and_run_name(toy_model_d
     with open(glob.glob(os.path.join(runs[None][0], "run-*.wandb"))[0], "rb") as f:
         record = f.read()
     assert b"olmo3-test" in record and b"someone" in record and b"flags-test" in record
+
+
+# -------------------------------------------------------------------------------------------------
+# Every launch command in README fits its own memory plan at Olmo 3 7B's shape on 80 GB GPUs
+# -------------------------------------------------------------------------------------------------
+GPU_BYTES = 80 * 10 ** 9  # an 80 GB GPU (H100 / A100 80GB), counted low: torch reports 79-80 GiB
+# Olmo 3 7B's published shape (allenai/Olmo-3-1025-7B config.json), built offline
+OLMO3_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                intermediate_size=11008, vocab_size=100278, tie_word_embeddings=False)
+
+
+def readme_launch_commands() -> list[tuple[str, int, list[str], str]]:
+    """(stage, torchrun's processes per node x nodes, the script's argv, the command) of every `torchrun` or
+    `python` launch of sft.py / dpo.py / grpo.py in README's bash blocks, continuation lines joined and
+    `$VAR` of a `VAR="..."` line of the same block filled in. A trailing `...` (README's "and the flags
+    above") is dropped: the command is planned with the flags it shows and the defaults."""
+    import os
+    import re
+    import shlex
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    commands = []
+    for block in blocks:
+        variables = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" # ")[0].strip()
+            if assignment := re.fullmatch(r'([A-Z_]+)="(.*)"', line):
+                variables[assignment[1]] = assignment[2]
+                continue
+            for name, value in variables.items():
+                line = line.replace(f"${name}", value)
+            launch = re.search(r"(?:\btorchrun\b(.*?)|\bpython3?)\s+(sft|dpo|grpo)\.py(?:\s|$)(.*)", line)
+            if line.startswith("#") or not launch:
+                continue
+            torchrun, stage, argv = launch.groups()
+            processes = 1
+            if torchrun is not None:  # processes per node x nodes; an expression ($(...)) is not a count
+                per_node = re.search(r"--nproc[-_]per[-_]node[ =](\S+)", torchrun)
+                nodes = re.search(r"--nnodes[ =](\d+)", torchrun)
+                processes = (int(per_node[1]) if per_node and per_node[1].isdigit() else 0) * (
+                    int(nodes[1]) if nodes else 1)
+            argv = shlex.split(argv)
+            commands.append((stage, processes, argv[:-1] if argv[-1:] == ["..."] else argv, line))
+    return commands
+
+
+def plan_at_7b(stage: str, processes: int, argv: list[str], config_dir: str) -> dict:
+    """The stage's memory plan for this command on GPUs (bf16 by default there), per rank, as the script
+    computes it before loading; flash attention left out (its mask term is then counted, as without it)."""
+    args = parse(stage, argv + ["--model_name_or_path", config_dir])
+    if stage in ("sft", "dpo"):  # build_model: FSDP2 over every rank, chosen on GPU when one rank cannot fit
+        assert processes > 0, f"{stage}.py needs a literal --nproc-per-node to be planned"
+        bf16 = True if args.bf16 is None else args.bf16
+        rows = args.per_device_train_batch_size * (2 if stage == "dpo" else 1)  # dpo: chosen and rejected
+        module = MODULES[stage]
+        if not args.use_fsdp and module.plan_memory(args, 1, rows, bf16, False)["total"] > GPU_BYTES:
+            args.use_fsdp = processes > 1
+        return module.plan_memory(args, processes if args.use_fsdp else 1, rows, bf16, False)
+    # grpo.py's load_policy: one packed row of forward_tokens per pass, weights sharded over the learners
+    from transformers import AutoConfig
+
+    pack_length = args.pack_length or args.max_prompt_length + args.max_response_length
+    forward_tokens = args.forward_tokens or max(pack_length, 16384)
+    plan = grpo.memory_plan(AutoConfig.from_pretrained(config_dir), forward_tokens, 1, args.num_learners,
+                            True if args.bf16 is None else args.bf16, args.gradient_checkpointing,
+                            args.logprob_chunk_size)
+    if args.beta > 0:  # the frozen fp32 reference, unsharded on every learner
+        plan["total"] += plan["weights"] * args.num_learners
+    return plan
+
+
+def test_every_readme_launch_command_fits_its_memory_plan_at_7b_on_80gb(tmp_path):
+    """README's commands (one node, the Olmo 3 recipe on 4 nodes, the engine layouts) name Olmo 3 7B or its
+    descendants: each must pass its stage's memory check on 80 GB GPUs, or it stops before loading. Without
+    --gradient_checkpointing the DPO and RL commands of "Launch each stage" plan 214 and 227 GiB of activations."""
+    from transformers import Olmo3Config
+
+    Olmo3Config(**OLMO3_7B).save_pretrained(tmp_path)
+    commands = readme_launch_commands()
+    assert sorted({stage for stage, *_ in commands}) == ["dpo", "grpo", "sft"]
+    assert len(commands) >= 8, [c for *_, c in commands]
+    failures = []
+    for stage, processes, argv, line in commands:
+        plan = plan_at_7b(stage, processes, argv, str(tmp_path))
+        if plan["total"] > GPU_BYTES:
+            failures.append(f"{plan['total'] / 2 ** 30:.0f} GiB (activations {plan['activations'] / 2 ** 30:.0f})"
+                            f": {line}")
+    assert not failures, "\n".join(failures)
+
+
+def test_readme_launch_plan_check_can_fail(tmp_path):
+    """The check above sees a command that does not fit: the RL recipe without --gradient_checkpointing."""
+    from transformers import Olmo3Config
+
+    Olmo3Config(**OLMO3_7B).save_pretrained(tmp_path)
+    (stage, processes, argv, _), = [c for c in readme_launch_commands() if c[0] == "grpo" and "16" in c[2]]
+    argv = [a for a in argv if a != "--gradient_checkpointing"]
+    assert plan_at_7b(stage, processes, argv, str(tmp_path))["activations"] > GPU_BYTES
