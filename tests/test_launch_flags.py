@@ -500,7 +500,7 @@ def readme_launch_commands() -> list[tuple[str, int, list[str], str]]:
 
 def plan_at_7b(stage: str, processes: int, argv: list[str], config_dir: str) -> dict:
     """The stage's memory plan for this command on GPUs (bf16 by default there), per rank, as the script
-    computes it before loading; flash attention left out (its mask term is then counted, as without it)."""
+    computes it before loading; without flash_attn (not in the requirements), so the (T, T) mask is counted."""
     args = parse(stage, argv + ["--model_name_or_path", config_dir])
     if stage in ("sft", "dpo"):  # build_model: FSDP2 over every rank, chosen on GPU when one rank cannot fit
         assert processes > 0, f"{stage}.py needs a literal --nproc-per-node to be planned"
@@ -547,6 +547,7 @@ def test_readme_launch_plan_check_can_fail(tmp_path):
     from transformers import Olmo3Config
 
     Olmo3Config(**OLMO3_7B).save_pretrained(tmp_path)
-    (stage, processes, argv, _), = [c for c in readme_launch_commands() if c[0] == "grpo" and "16" in c[2]]
+    (stage, processes, argv, _), = [c for c in readme_launch_commands()
+                                    if c[0] == "grpo" and "--num_learners 16" in " ".join(c[2])]  # the recipe
     argv = [a for a in argv if a != "--gradient_checkpointing"]
     assert plan_at_7b(stage, processes, argv, str(tmp_path))["activations"] > GPU_BYTES
