@@ -11,18 +11,24 @@ Templates (`TEMPLATES`, rendered text identical to the released Olmo 3 tokenizer
                             `tool` / `environment` messages as an `environment` turn, the final
                             assistant turn ends with eos. With no system message it adds the released
                             default system turn ("You are a helpful function-calling AI assistant. ...").
-    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default; like the
-                            released Instruct template it prints empty calls and ignores `reasoning_content`.
+    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default.
     olmo3-think-dev         instruct-dev plus `<think>` in `add_generation_prompt` (olmo-3.2-tokenizer-think-dev).
-    olmo3-think-release     think-dev with the identity prompt and the release's empty calls
-                            (olmo-3.2-tokenizer-think-release).
+    olmo3-think-release     think-dev with the identity prompt (olmo-3.2-tokenizer-think-release).
 
-Each assistant turn is wrapped in a `{% generation %}` block (seed 002 / Olmo 3.5 placement): after
-the `<|im_start|>assistant\\n` header and before any generated `<think>`, covering `reasoning_content`
-(as `<think>...</think>`, except under olmo3-instruct-release: see below), the answer, the serialized
-tool calls and the closing token; the generation prompt and the `\\n` between turns stay outside.
-Labels come from those blocks, so an opening `<think>` in the data is trained even under a think
-template whose generation prompt adds it.
+As the tokenizer notes state it, release = dev + the identity prompt and think = instruct + `<think>` in the
+generation prompt: the four differ nowhere else (all render empty calls and ignore `reasoning_content`, as
+the released Instruct template does, tests/data/olmo3_released_instruct.jinja).
+
+Options (`python chat_template.py list` names all):
+    NAME-handoff            (each of the four) the Olmo 3.5 notes' convention: a turn that calls tools always
+                            closes with `<|im_end|>` (it hands control to the environment), so a tool call
+                            trains `<|im_end|>` and only an answer trains eos. The released templates close
+                            a conversation's final message with eos even when it is a call, so SFT / DPO rows
+                            ending in a call train `</function_calls>` + eos there.
+    olmo_thinker_no_think_7b, olmo_thinker, olmo_thinker_no_think_sft_tokenization
+                            open-instruct's original Olmo 3 Think templates (7B SFT; 7B DPO and RL; 32B
+                            SFT), by open-instruct's names, rendering as its definitions do. Their older
+                            format reads no `tools` / `tool_calls` (rows with them drop, counted).
 
 Labeling (`tokenize_messages`):
   * templates with blocks: every block trains (`only_last_turn=False`), or, for preference data
@@ -43,20 +49,20 @@ Labeling (`tokenize_messages`):
     are extended back over the gap, so whitespace belongs to the token that holds it.
 
 Decisions on cases the Olmo 3 format leaves open:
-  * a final assistant turn ends with eos whether or not it is a tool call, and every earlier turn
+  * a final assistant turn ends with eos whether or not it is a tool call (the -handoff options: unless it
+    is a call), and every earlier turn
     with `<|im_end|>\\n`, byte for byte as the released Olmo 3 / 3.1 Instruct templates render it
     (tests/data/olmo3_released_instruct.jinja is the released text; the tests compare renders). So a
     conversation that ends in a tool call is not a prefix of the one continued with the tool result.
-  * an empty `tool_calls` list or `function_calls` string: the release templates print an empty
+  * an empty `tool_calls` list or `function_calls` string: the templates print an empty
     `<function_calls></function_calls>`, as the released one does (it tests only `is not none`), so data
-    that stores `tool_calls: []` on plain turns trains on that text there; the dev templates render no call.
+    that stores `tool_calls: []` on plain turns trains on that text there.
     When both count as given, `function_calls` wins over `tool_calls`. An assistant turn with content
     None, empty calls and no reasoning drops the row (`missing_content`).
-  * `reasoning_content`: olmo3-instruct-release ignores it, as the released Instruct template does
-    (counted as the warning `reasoning_content_ignored`); a turn with nothing else (no content, no calls)
-    would train on its closing token alone and drops the row (`reasoning_content_not_rendered`, also
-    for any other template that never reads the field). The think and dev templates render it as
-    `<think>...</think>` before the content.
+  * `reasoning_content`: the templates ignore it, as the released Instruct template does (counted as the
+    warning `reasoning_content_ignored`); a turn with nothing else (no content, no calls) would train on
+    its closing token alone and drops the row (`reasoning_content_not_rendered`, for any template that
+    never reads the field). Put reasoning in `content` as `<think>...</think>` (Dolci's format).
   * tool call `arguments` given as a JSON string (the OpenAI wire format) are parsed into a dict
     before rendering, so they serialize as `key=json(value)`; a string that is not a JSON object drops
     the row (`bad_tool_call`). Flat calls `{"name", "arguments"}` are accepted like
@@ -185,13 +191,13 @@ _TEMPLATE_LINES = [
     "{%- elif message['role'] == 'user' -%}",
     "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}",
     "{%- elif message['role'] == 'assistant' -%}",
-    "{%- set has_function_calls = message.get('function_calls', none) is not none__FC_NONEMPTY__ -%}",
-    "{%- set has_tool_calls = message.get('tool_calls', none) is not none__TC_NONEMPTY__ -%}",
+    # As released: a call counts when given (`is not none`), so an empty list or string prints empty tags.
+    "{%- set has_function_calls = message.get('function_calls', none) is not none -%}",
+    "{%- set has_tool_calls = message.get('tool_calls', none) is not none -%}",
     "{{- '<|im_start|>assistant\\n' -}}",
     # Seed 002: the block starts after the header and before any generated <think>; it covers
     # reasoning, answer, tool calls and the closing token. The separator `\n` stays outside.
     "{%- generation -%}",
-    "__REASONING__",
     "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}",
     "{%- if has_function_calls -%}",
     "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}",
@@ -221,7 +227,8 @@ _TEMPLATE_LINES = [
     "{{- '</function_calls>' -}}",
     "{%- endif -%}",
     # As released: the final message ends with eos, tool call or not; earlier turns with <|im_end|>\n.
-    "{%- if not loop.last -%}",
+    # `__HANDOFF__` (the -handoff variants): a turn that calls tools always closes with <|im_end|>.
+    "{%- if not loop.last__HANDOFF__ -%}",
     "{{- '<|im_end|>' -}}",
     "{%- else -%}",
     "{{- eos_token -}}",
@@ -238,29 +245,81 @@ _TEMPLATE_LINES = [
 ]
 
 
-_REASONING = ("{%- if message.get('reasoning_content', none) is not none -%}"
-              "{{- '<think>' + message['reasoning_content'] + '</think>' -}}{%- endif -%}")
-
-
-def _build(release: bool, think: bool) -> str:
-    # The released templates test calls with `is not none` only (an empty list or string prints an empty
-    # <function_calls></function_calls>); the dev variants also require a non-empty value. The released
-    # Instruct template has no reasoning_content; the think and dev variants render it as <think>..</think>.
-    nonempty = "" if release else " and (message['{}'] | length) > 0"
+def _build(release: bool, think: bool, handoff: bool = False) -> str:
     return ("".join(_TEMPLATE_LINES)
             .replace("__SYSTEM__", OLMO_IDENTITY if release else DEV_SYSTEM)
             .replace("__THINK__", "<think>" if think else "")
-            .replace("__FC_NONEMPTY__", nonempty.format("function_calls"))
-            .replace("__TC_NONEMPTY__", nonempty.format("tool_calls"))
-            .replace("__REASONING__", "" if release and not think else _REASONING))
+            .replace("__HANDOFF__", " or has_function_calls or has_tool_calls" if handoff else ""))
 
 
+# The four released variants (byte-identical renders to the released tokenizers).
 TEMPLATES: dict[str, str] = {
     "olmo3-instruct-dev": _build(release=False, think=False),
     "olmo3-instruct-release": _build(release=True, think=False),
     "olmo3-think-dev": _build(release=False, think=True),
     "olmo3-think-release": _build(release=True, think=True),
 }
+# The Olmo 3.5 notes' convention as an option: a tool call trains <|im_end|> (it hands control to the
+# environment), an answer trains eos. Renders differ from the release only in a conversation's final
+# tool call: `...</function_calls><|im_end|>` instead of `...</function_calls>` + eos.
+HANDOFF_TEMPLATES: dict[str, str] = {
+    f"{name}-handoff": _build(release="release" in name, think="think" in name, handoff=True) for name in TEMPLATES}
+
+# The original Olmo 3 Think templates, by their open-instruct names (`--chat_template_name`), rendering exactly
+# as open-instruct's definitions (open_instruct/dataset_transformation.py, CHAT_TEMPLATES) with generation
+# blocks added. Their format predates the released one: no `tools` or `tool_calls` (calls are a
+# `function_calls` string, tool schemas a `functions` string on a system or user message), results only as
+# `environment` messages, and a system message always gets the functions sentence.
+#   olmo_thinker_no_think_7b                Olmo 3 7B Think SFT data (Olmo identity, no <think> prompt)
+#   olmo_thinker                            Olmo 3 7B Think DPO and RL (open-instruct's 7b_think_dpo.sh /
+#                                           7b_think_rl.sh): plain system prompt, <think> generation prompt
+#   olmo_thinker_no_think_sft_tokenization  Olmo 3 32B Think SFT data (plain system prompt, no <think> prompt)
+OI_PLAIN_SYSTEM = "You are a helpful AI assistant."
+_OPEN_INSTRUCT_LINES = [
+    "{%- set has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0 -%}",
+    "{%- if not has_system -%}{{- '<|im_start|>system\\n__SYSTEM__<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if message['role'] == 'system' -%}",
+    "{{- '<|im_start|>system\\n' + message['content'] -}}",
+    "{%- if message.get('functions', none) is not none -%}",
+    "{{- ' <functions>' + message['functions'] + '</functions><|im_end|>\\n' -}}",
+    "{%- else -%}",
+    "{{- ' " + NO_FUNCTIONS + "<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- elif message['role'] == 'user' -%}",
+    "{{- '<|im_start|>user\\n' + message['content'] -}}",
+    "{%- if message.get('functions', none) is not none -%}",
+    "{{- '\\n<functions>' + message['functions'] + '</functions>' -}}",
+    "{%- endif -%}",
+    "{{- '<|im_end|>\\n' -}}",
+    "{%- elif message['role'] == 'assistant' -%}",
+    "{{- '<|im_start|>assistant\\n' -}}",
+    "{%- generation -%}",
+    "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}",
+    "{%- if message.get('function_calls', none) is not none -%}",
+    "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}",
+    "{%- endif -%}",
+    "{%- if not loop.last -%}{{- '<|im_end|>' -}}{%- else -%}{{- eos_token -}}{%- endif -%}",
+    "{%- endgeneration -%}",
+    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}",
+    "{%- elif message['role'] == 'environment' -%}",
+    "{{- '<|im_start|>environment\\n' + message['content'] + '<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- if loop.last and add_generation_prompt -%}{{- '<|im_start|>assistant\\n__THINK__' -}}{%- endif -%}",
+    "{%- endfor -%}",
+]
+
+
+def _build_open_instruct(system: str, think: bool) -> str:
+    return "".join(_OPEN_INSTRUCT_LINES).replace("__SYSTEM__", system).replace("__THINK__", "<think>" if think else "")
+
+
+OPEN_INSTRUCT_TEMPLATES: dict[str, str] = {
+    "olmo_thinker_no_think_7b": _build_open_instruct(OLMO_IDENTITY, think=False),
+    "olmo_thinker": _build_open_instruct(OI_PLAIN_SYSTEM, think=True),
+    "olmo_thinker_no_think_sft_tokenization": _build_open_instruct(OI_PLAIN_SYSTEM, think=False),
+}
+ALL_TEMPLATES: dict[str, str] = {**TEMPLATES, **HANDOFF_TEMPLATES, **OPEN_INSTRUCT_TEMPLATES}
 
 
 def _read_text(path: str) -> str:
@@ -288,8 +347,8 @@ def get_template(name_or_path: str) -> str:
     """
     if not isinstance(name_or_path, str):
         raise ValueError(f"a template name or path must be a string, got {type(name_or_path).__name__}")
-    if name_or_path in TEMPLATES:
-        return TEMPLATES[name_or_path]
+    if name_or_path in ALL_TEMPLATES:
+        return ALL_TEMPLATES[name_or_path]
     if "{%" in name_or_path or "{{" in name_or_path:
         return name_or_path
     if os.path.isfile(name_or_path):
@@ -304,7 +363,7 @@ def get_template(name_or_path: str) -> str:
         jinja, config = _dir_templates(name_or_path)
         if jinja is not None or config:
             return jinja if jinja is not None else config
-    raise ValueError(f"unknown template {name_or_path!r}: not one of {sorted(TEMPLATES)}, "
+    raise ValueError(f"unknown template {name_or_path!r}: not one of {list(ALL_TEMPLATES)}, "
                      "a .jinja file or a tokenizer dir")
 
 
@@ -587,10 +646,17 @@ def apply_over_length(tokenizer, input_ids, labels, max_length, over_length_stra
     return list(input_ids[:max_length]), list(labels[:max_length])  # truncate
 
 
-def _check_reasoning_rendered(messages, template: str, warnings=None) -> None:
-    """A template that never reads `reasoning_content` (olmo3-instruct-release, as released) leaves it out.
-    An assistant turn with nothing else would render empty and train on its closing token alone: the row
-    drops (`reasoning_content_not_rendered`); otherwise each ignored field is counted as a warning."""
+def _check_fields_rendered(messages, template: str, tools=None, warnings=None) -> None:
+    """Fields a template never reads are left out of the text. The released Olmo 3 templates ignore
+    `reasoning_content`: an assistant turn with nothing else would render empty and train on its closing
+    token alone, so the row drops (`reasoning_content_not_rendered`); otherwise each ignored field is counted
+    as a warning. Tool calls or tool schemas given to a template that never reads them (open-instruct's
+    original Olmo 3 Think templates, a Hub template without tool support) drop the row
+    (`tool_calls_not_rendered`, `tools_not_rendered`): the text would not hold them."""
+    if tools and "tools" not in template:
+        raise DroppedRow("tools_not_rendered", "the template ignores `tools`")
+    if "tool_calls" not in template and any(m.get("tool_calls") for m in messages):
+        raise DroppedRow("tool_calls_not_rendered", "the template ignores `tool_calls`")
     if "reasoning_content" in template:
         return
     for message in messages:
@@ -616,7 +682,7 @@ def tokenize_messages(tokenizer, messages, tools=None, chat_template=None, max_l
         raise DroppedRow("no_final_assistant")
     messages, tools = _normalize(messages, tools)
     template = _resolve_template(tokenizer, chat_template)
-    _check_reasoning_rendered(messages, template, warnings)
+    _check_fields_rendered(messages, template, tools, warnings)
     out = _label_conversation(tokenizer, messages, tools, template, only_last_turn, warnings)
     labels = [t if m else -100 for t, m in zip(out["input_ids"], out["mask"])]
     input_ids, labels = apply_over_length(tokenizer, out["input_ids"], labels, max_length, over_length_strategy)
@@ -628,7 +694,7 @@ def tokenize_prompt(tokenizer, messages, tools=None, chat_template=None) -> list
     validate_messages(messages)
     messages, tools = _normalize(messages, tools)
     template = _resolve_template(tokenizer, chat_template)
-    _check_reasoning_rendered(messages, template)
+    _check_fields_rendered(messages, template, tools)
     try:
         text = _render(template, messages, tools, True, _special_tokens(tokenizer))[0]
     except Exception as e:  # noqa: BLE001 - e.g. an external template's raise_exception()
@@ -1204,10 +1270,9 @@ COMMON_UNSUPPORTED_FLAGS = {
 # open-instruct template either: open-instruct then takes the tokenizer's own, as omitting the flag does.
 OPEN_INSTRUCT_TEMPLATE_NAMES = {
     "olmo123": None,
-    **{name: f"open-instruct's `{name}` template (OLMo identity, November 2024 cutoff) is not bundled: omit "
-             "--chat_template to use the checkpoint's own (the released Olmo 3 checkpoints carry the template "
-             "they were trained with), or give one of `python chat_template.py list` or a .jinja file"
-       for name in ("olmo", "olmo_thinker", "olmo_thinker_no_think_7b", "olmo_thinker_no_think_sft_tokenization")},
+    "olmo": ("open-instruct's `olmo` template (OLMo identity, November 2024 cutoff) is not bundled: omit "
+             "--chat_template to use the checkpoint's own (the released Olmo 3 checkpoints carry the template they "
+             "were trained with), or give one of `python chat_template.py list` or a .jinja file"),
 }
 
 
@@ -1351,7 +1416,7 @@ def _load_tokenizer(path: str):
 
 
 def cmd_list(args) -> int:
-    sys.stdout.write("".join(name + "\n" for name in TEMPLATES))
+    sys.stdout.write("".join(name + "\n" for name in ALL_TEMPLATES))
     return 0
 
 
