@@ -80,6 +80,8 @@ over_length_strategy (rows longer than max_length):
     terminate  left truncation: keep the last max_length tokens, so the tail with its terminator is
                intact; if the last trained token is not already eos or the tool hand-off `<|im_end|>`
                it becomes eos (an existing hand-off is never overwritten). No trained token left: dropped.
+               A preference pair is cut on both sides at the same left position, inside its shared
+               prompt, so both answers keep one context; a pair that cannot be is dropped.
     truncate   plain right truncation (RL prompts; it cuts the terminator off a training row).
 
 Dataset helpers: `load_mixture` (Hub datasets, local .json/.jsonl/.parquet files or `save_to_disk`
@@ -104,6 +106,7 @@ Command line (a stable contract; exit 2 on bad input):
     python chat_template.py show --template NAME --tokenizer DIR --messages FILE.json [--only-last-turn]
     python chat_template.py export NAME --tokenizer DIR --out DIR
     python chat_template.py diff A B [--messages FILE.json]       # exit 0 same, 1 different, 2 bad input
+                                                                  # A, B: tokenizer directories or Hub ids
 
 NAME is a template name, a `.jinja` file or a tokenizer directory (its `chat_template.jinja` wins over
 `tokenizer_config.json`, as in transformers). FILE.json holds a list of messages, or an object with
@@ -560,10 +563,11 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
             if any(a < boundary < b for a, b in ranges):
                 raise DroppedRow("ambiguous_block_ownership", "a block straddles the final message's start")
             ranges = [(a, b) for a, b in ranges if a >= boundary]
-            if ranges and ranges[0][0] == boundary and warnings is not None:
-                warnings["block_covers_header"] += 1  # the block starts with the final turn: header trains
         if not ranges:
             raise DroppedRow("no_generation_block")
+        if warnings is not None and template not in _BUNDLED:
+            _review_external_blocks(template, messages, tools, special, full, ranges, warnings,
+                                    boundary if only_last_turn else 0)
         specials = _all_special_strings(tokenizer)
         for a, b in ranges:
             after = full[b:]
@@ -573,9 +577,8 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
             hit = next((s for s in specials if after.startswith(s)), None)
             if hit is not None and warnings is not None:
                 warnings[f"special_token_after_block:{hit}"] += 1
-                if warnings[f"special_token_after_block:{hit}"] == 1:
-                    logger.warning("special token %r right after a generation block: a missing terminator, "
-                                   "or a correctly masked next header? (logged once)", hit)
+                _log_once(f"special token {hit!r} right after a generation block: a missing terminator, or a "
+                          "correctly masked next header? (the tokenize summary names the rows)")
     else:
         # Prefix labeling (templates without blocks): train everything after the generation prompt of
         # the final assistant message. Known limitation: it masks whatever the generation prompt adds.
@@ -590,6 +593,8 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
         ranges = [(len(prompt), len(full))]
         if not only_last_turn and warnings is not None and sum(m.get("role") == "assistant" for m in messages) > 1:
             warnings["prefix_labeling_last_turn_only"] += 1
+        if warnings is not None and "<think>" in prompt[len(before):]:
+            warnings["prefix_labeling_masks_think"] = 1  # per row (a pair's two sides count once); the known bug
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(enc["input_ids"]), _token_starts(enc["offset_mapping"])
     mask, r = [], 0
@@ -600,6 +605,50 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
     if not any(mask):
         raise DroppedRow("no_trained_tokens")
     return {"text": full, "input_ids": input_ids, "offsets": offsets, "mask": mask, "ranges": ranges}
+
+
+_BUNDLED = frozenset(ALL_TEMPLATES.values())  # tested here: the review aids below are for external templates
+_LOGGED = set()
+
+
+def _log_once(message: str) -> None:
+    """A warning logged once per process (the per-row counts go to the tokenize summary)."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
+
+
+def _review_external_blocks(template, messages, tools, special, full, ranges, warnings, trained_from=0) -> None:
+    """Review aids for an external template's blocks, in every labeling mode: a block that starts where an
+    assistant message starts trains its header (`block_covers_header`); a message's tool calls rendered only
+    outside blocks go untrained (`tool_calls_outside_block`). A message's start is the length of the render of
+    the messages before it, where that render is a prefix of the whole (one render per assistant message)."""
+    starts = {}
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            try:
+                before = _render(template, messages[:i], tools, False, special)[0]
+            except Exception:  # noqa: BLE001 - a template that needs a first message: no start known
+                continue
+            if full.startswith(before):
+                starts[i] = len(before)
+    bounds = sorted(starts.values()) + [len(full)]
+    for i, start in starts.items():
+        end = bounds[bounds.index(start) + 1]
+        if start < trained_from:
+            continue  # last-turn labeling: earlier messages do not train
+        if any(a == start < b for a, b in ranges):
+            warnings["block_covers_header"] += 1
+            _log_once("a generation block starts where an assistant message starts: its header trains "
+                      "(the tokenize summary names the rows)")
+        for call in messages[i].get("tool_calls") or []:
+            name = (call.get("function") or {}).get("name") if isinstance(call, dict) else None
+            at = [m.start() for m in re.finditer(re.escape(name), full[start:end])] if name else []
+            if at and not any(a <= start + k < b for k in at for a, b in ranges):
+                warnings["tool_calls_outside_block"] += 1
+                _log_once("an assistant message's tool calls render outside its generation blocks: they do not "
+                          "train (the tokenize summary names the rows)")
+                break
 
 
 def _token_starts(offset_mapping) -> list[int]:
@@ -1001,16 +1050,25 @@ def _tokenize_dataset(dataset, tokenizer, kind, row_fn, settings, columns, cache
         kept = (datasets.Dataset.from_list(kept_rows) if kept_rows
                 else datasets.Dataset.from_dict({c: [] for c in columns}))
     drops = collections.Counter(r for r in reasons if r)
-    warnings = collections.Counter()
-    for w in warning_strings:
+    warnings, rows_of, num_rows = collections.Counter(), collections.defaultdict(list), collections.Counter()
+    for i, (reason, w) in enumerate(zip(reasons, warning_strings)):
+        for key in ([reason] if reason else []) + (list(json.loads(w)) if w else []):
+            num_rows[key] += 1
+            if len(rows_of[key]) < 5:  # the first few row indices of each reason
+                rows_of[key].append(i)
         if w:
             warnings.update(json.loads(w))
     stats.update(drops)
     stats.total, stats.kept, stats.warnings = len(dataset), len(kept), warnings
+
+    def named(counts):  # reason: count (rows 3, 17, ...): the rows are indices into the dataset given
+        return "; ".join(f"{k}: {n} (row{'s' if num_rows[k] > 1 else ''} {', '.join(map(str, rows_of[k]))}"
+                         f"{', ...' if num_rows[k] > len(rows_of[k]) else ''})" for k, n in counts.most_common())
+
     if drops:
-        logger.warning("tokenize %s: dropped %d of %d rows: %s", kind, sum(drops.values()), len(dataset), dict(drops))
+        logger.warning("tokenize %s: dropped %d of %d rows: %s", kind, sum(drops.values()), len(dataset), named(drops))
     if warnings:
-        logger.warning("tokenize %s: warnings: %s", kind, dict(warnings))
+        logger.warning("tokenize %s: warnings: %s", kind, named(warnings))
     if len(kept) == 0 and len(dataset):
         logger.error("tokenize %s: every row was dropped", kind)
     if path:
@@ -1054,6 +1112,27 @@ def tokenize_sft(dataset, tokenizer, max_length, over_length_strategy="drop", ch
     return _tokenize_dataset(dataset, tokenizer, "sft", row_fn, settings, ["input_ids", "labels"], cache_dir, num_proc)
 
 
+def _pair_over_length(tokenizer, pair: dict, max_length, over_length_strategy) -> dict:
+    """A preference pair longer than max_length, on either side. A pair is compared on one context, so
+    `terminate` cuts both sides at the same left position, inside the prompt they share (both tails intact);
+    a pair whose cut would reach either answer drops (`over_length`). `drop` and `truncate` act on each
+    side as for single rows."""
+    sides = ("chosen", "rejected")
+    longest = max(len(pair[f"{k}_input_ids"]) for k in sides)
+    if over_length_strategy != "terminate" or max_length is None or longest <= max_length:
+        for k in sides:
+            pair[f"{k}_input_ids"], pair[f"{k}_labels"] = apply_over_length(
+                tokenizer, pair[f"{k}_input_ids"], pair[f"{k}_labels"], max_length, over_length_strategy)
+        return pair
+    cut = longest - max_length
+    chosen, rejected = pair["chosen_input_ids"], pair["rejected_input_ids"]
+    shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    first_trained = min(next(i for i, label in enumerate(pair[f"{k}_labels"]) if label != -100) for k in sides)
+    if cut > min(shared, first_trained):
+        raise DroppedRow("over_length", "cutting the pair to max_length would reach an answer")
+    return {key: list(value[cut:]) for key, value in pair.items()}
+
+
 def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="drop", chat_template=None,
                         cache_dir=None, num_proc=None):
     """Rows with `chosen` / `rejected` message lists -> ids and labels on the final assistant turn only.
@@ -1083,15 +1162,33 @@ def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="dr
             prompts.append(_strip_none(list(messages[:-1])) if isinstance(messages, (list, tuple)) else None)
             if len(prompts) == 2 and prompts[0] != prompts[1]:  # a pair answers one prompt
                 raise DroppedRow("prompt_mismatch", "chosen and rejected differ before their last turn")
-            t = tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template, max_length=max_length,
-                                  over_length_strategy=over_length_strategy, only_last_turn=True, warnings=warnings)
+            # the pair's length is settled below, on both sides at once
+            t = tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template,
+                                  only_last_turn=True, warnings=warnings)
             out[f"{key}_input_ids"], out[f"{key}_labels"] = t["input_ids"], t["labels"]
-        return out
+        return _pair_over_length(tokenizer, out, max_length, over_length_strategy)
 
     settings = {"max_length": max_length, "over_length_strategy": over_length_strategy,
                 "chat_template_source": template}
     columns = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     return _tokenize_dataset(dataset, tokenizer, "preference", row_fn, settings, columns, cache_dir, num_proc)
+
+
+def prefix_labeling_notice(tokenizer, chat_template, stats: DropCounts) -> str | None:
+    """The start-up message of sft.py / dpo.py when the template has no `{% generation %}` blocks (None when it
+    has): what prefix labeling does to this data, with the rows affected, and the fix."""
+    template = _resolve_template(tokenizer, chat_template)
+    if has_generation_blocks(template):
+        return None
+    warnings = stats.warnings or {}
+    source = f"--chat_template {chat_template}" if chat_template else "the checkpoint's own chat template"
+    return (f"{source} has no {{% generation %}} blocks, so labels come from prefix labeling: everything after the "
+            "generation prompt of the final assistant turn trains, nothing else. Rows affected: "
+            f"{warnings.get('prefix_labeling_last_turn_only', 0)} of {stats.total} train only their last of several "
+            f"assistant turns; {warnings.get('prefix_labeling_masks_think', 0)} have the opening <think> of their "
+            "answer masked, because the generation prompt holds it (the known bug generation blocks fix). Fix: "
+            "--chat_template with a bundled template (`python chat_template.py list`; the Olmo 3 tokenizer notes "
+            "train think data with olmo3-instruct-dev) or a .jinja file with {% generation %} blocks.")
 
 
 def rlvr_verifier(row):
@@ -1535,9 +1632,29 @@ def _unified(a_lines, b_lines, label_a, label_b) -> list[str]:
     return list(difflib.unified_diff(a_lines, b_lines, fromfile=label_a, tofile=label_b, lineterm=""))
 
 
-def _tokenizer_facts(path: str) -> dict:
-    if not os.path.isdir(path):
-        raise BadInput(f"not a directory: {path!r}")
+def _tokenizer_dir(name: str) -> str:
+    """A tokenizer directory, or a Hub id as `from_pretrained` takes it: its snapshot in the local Hugging Face
+    cache (offline), else its tokenizer files (never weights) downloaded into that cache when online."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name) or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise BadInput(f"not a tokenizer directory or a Hub id: {name!r}")
+    from huggingface_hub import snapshot_download
+
+    files = TOKENIZER_FILES + ["chat_template.jinja", "chat_template.json", "config.json"]
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local cache: try the Hub below
+        pass
+    try:
+        return snapshot_download(name, allow_patterns=files)
+    except Exception as e:  # noqa: BLE001 - offline, unknown, gated: bad input for the CLI
+        raise BadInput(f"{name!r} is not a local directory, not in the Hugging Face cache, and could not be "
+                       f"downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _tokenizer_facts(name: str) -> dict:
+    path = _tokenizer_dir(name)
     config_path = os.path.join(path, "tokenizer_config.json")
     config = _read_json(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
     if not isinstance(config, dict):
@@ -1552,7 +1669,8 @@ def _tokenizer_facts(path: str) -> dict:
     added = sorted((int(i), str(t), bool(getattr(t, "special", False)))
                    for i, t in tokenizer.added_tokens_decoder.items())
     return {
-        "path": path, "config": config, "jinja": jinja, "config_template": in_config,
+        "path": name if name == path else f"{name} ({path})", "config": config, "jinja": jinja,
+        "config_template": in_config,
         "template": jinja if jinja is not None else in_config, "tokenizer": tokenizer,
         "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()}, "added": added,
         "vocab": tokenizer.get_vocab(), "len": len(tokenizer),
@@ -1692,7 +1810,8 @@ def main(argv=None) -> int:
     p.add_argument("name", help="template name, .jinja file or tokenizer directory")
     p.add_argument("--tokenizer", required=True, help="source tokenizer directory")
     p.add_argument("--out", required=True, help="output directory")
-    p = sub.add_parser("diff", help="compare two tokenizer directories (exit 0 same, 1 different, 2 bad input)")
+    p = sub.add_parser("diff", help="compare two tokenizers, directories or Hub ids (exit 0 same, 1 different, "
+                                    "2 bad input)")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--messages", default=None,

@@ -1007,6 +1007,9 @@ def load_data(args, tokenizer, world: World) -> tuple[list[dict], list[dict], di
         dataset, eval_dataset = split["train"], split["test"]
     if world.is_main:
         world.barrier()
+    notice = chat_template.prefix_labeling_notice(tokenizer, args.chat_template, drops)
+    if notice and world.is_main:  # once, at start-up: labels a template without generation blocks cannot give
+        print(f"WARNING: {notice}", flush=True)
     keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
     pairs = [{k: r[k] for k in keys} for r in dataset]
     eval_pairs = [{k: r[k] for k in keys} for r in eval_dataset] if eval_dataset is not None else []

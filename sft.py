@@ -900,6 +900,9 @@ def load_data(args, tokenizer, world: World) -> tuple[list[dict], dict]:
                                                 chat_template=args.chat_template)
     if world.is_main:
         world.barrier()
+    notice = chat_template.prefix_labeling_notice(tokenizer, args.chat_template, drops)
+    if notice and world.is_main:  # once, at start-up: labels a template without generation blocks cannot give
+        print(f"WARNING: {notice}", flush=True)
     examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
     if not examples:
         raise SystemExit(f"no trainable rows left (dropped: {dict(drops)})")

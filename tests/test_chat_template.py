@@ -311,6 +311,42 @@ def test_external_template_checks_drop_or_warn(tok):
     assert trained_spans(tok, out) == ["12<|im_end|>", "13" + EOS]
 
 
+def test_external_template_review_aids_warn_in_both_modes_and_name_rows(tok, caplog):
+    """A block covering the assistant header, and tool calls rendered outside a content-only block: warned in
+    SFT and last-turn labeling alike, logged once, and the tokenize summary names the first rows of each
+    warning and drop reason."""
+    header_in_block = ("{%- generation -%}{{- '<|im_start|>assistant\\n' + m['content'] -}}"
+                       "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}"
+                       "{{- '' if loop.last else '\\n' -}}")
+    covers = ext(GOOD_USER_END, header_in_block)
+    for last_turn, count in ((False, 2), (True, 1)):
+        warnings = collections.Counter()
+        ct.tokenize_messages(tok, CONV, chat_template=covers, only_last_turn=last_turn, warnings=warnings)
+        assert warnings == {"block_covers_header": count}
+    calls_outside = ("{{- '<|im_start|>assistant\\n' -}}{%- for c in m.get('tool_calls') or [] -%}"
+                     "{{- c['function']['name'] + '()' -}}{%- endfor -%}{%- generation -%}{{- m['content'] or '' -}}"
+                     "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}"
+                     "{{- '' if loop.last else '\\n' -}}")
+    call = {"role": "assistant", "content": "ok", "tool_calls": [{"function": {"name": "lookup", "arguments": {}}}]}
+    for last_turn in (False, True):
+        warnings = collections.Counter()
+        ct.tokenize_messages(tok, [USER, call], chat_template=ext(GOOD_USER_END, calls_outside),
+                             only_last_turn=last_turn, warnings=warnings)
+        assert warnings == {"tool_calls_outside_block": 1}
+    warnings = collections.Counter()
+    ct.tokenize_messages(tok, CONV, chat_template=ext(GOOD_USER_END, GOOD_ASSISTANT), warnings=warnings)
+    assert not warnings  # a good template: nothing to say
+    ct._LOGGED.clear()
+    caplog.clear()
+    rows = [{"messages": CONV}, {"messages": [USER]}, {"messages": CONV}, {"messages": CONV}]
+    ds, drops = ct.tokenize_sft(rows, tok, 512, chat_template=covers, cache_dir="")
+    err = caplog.text
+    assert len(ds) == 3 and drops.warnings == {"block_covers_header": 6}
+    assert err.count("starts where an assistant message starts") == 1  # logged once, not once per row
+    assert "dropped 1 of 4 rows: no_final_assistant: 1 (row 1)" in err
+    assert "warnings: block_covers_header: 6 (rows 0, 2, 3)" in err
+
+
 def test_external_template_errors_drop_the_row(tok):
     strict = ("{%- if messages[0]['role'] != 'system' -%}{{- raise_exception('needs a system message') -}}"
               "{%- endif -%}" + ext(GOOD_USER_END, GOOD_ASSISTANT))
@@ -772,3 +808,26 @@ def test_open_instruct_think_templates_by_name_and_their_limits(tok):
         ct.tokenize_messages(tok, TOOL_CONV, chat_template="olmo_thinker_no_think_7b")
     with pytest.raises(DroppedRow, match="tools_not_rendered"):
         ct.tokenize_prompt(tok, [USER], tools=TOOLS, chat_template="olmo_thinker")
+
+
+def test_diff_takes_hub_ids_from_the_local_cache(exported, tmp_path):
+    """`diff A B` with Hub ids, as the tokenizer notes use it: an id resolves from the Hugging Face cache offline
+    (as from_pretrained does); an id that is neither cached nor downloadable is a clear error naming it."""
+    import shutil
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--allenai--olmo-3-tokenizer-instruct-dev"
+    shutil.copytree(exported, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, os.path.join(REPO, "chat_template.py"), "diff", *argv], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    same = cli("allenai/olmo-3-tokenizer-instruct-dev", exported)
+    assert same.returncode == 0 and "Result: IDENTICAL" in same.stdout, same.stderr
+    assert f"allenai/olmo-3-tokenizer-instruct-dev ({repo / 'snapshots' / commit})" in same.stdout
+    missing = cli("allenai/olmo-3-tokenizer-think-release", exported)
+    assert missing.returncode == 2 and "'allenai/olmo-3-tokenizer-think-release' is not a local directory" in \
+        missing.stderr
