@@ -103,7 +103,7 @@ class Args:
         "help": "split of each Hub source: one for all or one per source (Olmo 3: train)"})
     chat_template: str = field(default=None, metadata={
         "aliases": ["--chat_template_name"],
-        "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
+        "help": "a template name (`python chat_template.py list`) or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
     max_seq_length: int = field(
         default=4096, metadata={"help": "max tokens per conversation (and per packed row); Tulu 3: 4096"})

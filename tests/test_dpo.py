@@ -271,8 +271,8 @@ def test_a_template_without_generation_blocks_is_said_once_at_start_up(toy_model
     think = chat_template.TEMPLATES["olmo3-think-dev"]
     tokenizer.chat_template = think.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
     user = {"role": "user", "content": "What is 2+3?"}
-    pairs = [{"chosen": [user, {"role": "assistant", "content": f"<think>{i}</think>\\boxed{{5}}"}],
-              "rejected": [user, {"role": "assistant", "content": f"<think>{i}</think>\\boxed{{6}}"}]} for i in range(3)]
+    pairs = [{side: [user, {"role": "assistant", "content": f"<think>{i}</think>\\boxed{{{answer}}}"}]
+              for side, answer in (("chosen", 5), ("rejected", 6))} for i in range(3)]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     args = dpo.Args(model_name_or_path="unused", dataset_mixer_list=[str(data), "1.0"], max_seq_length=512,
