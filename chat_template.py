@@ -1061,8 +1061,14 @@ def _tokenize_dataset(dataset, tokenizer, kind, row_fn, settings, columns, cache
     stats.update(drops)
     stats.total, stats.kept, stats.warnings = len(dataset), len(kept), warnings
 
-    def named(counts):  # reason: count (rows 3, 17, ...): the rows are indices into the dataset given
-        return "; ".join(f"{k}: {n} (row{'s' if num_rows[k] > 1 else ''} {', '.join(map(str, rows_of[k]))}"
+    def where(i):  # a row as its file and line where load_mixture says it, else its index in the dataset given
+        columns = getattr(dataset, "column_names", [])
+        if "source" in columns and "source_line" in columns:
+            return f"{i} = {dataset[i]['source']}:{dataset[i]['source_line']}"
+        return str(i)
+
+    def named(counts):  # reason: count (rows 3 = a.jsonl:7, ...), the first few rows of each
+        return "; ".join(f"{k}: {n} (row{'s' if num_rows[k] > 1 else ''} {', '.join(map(where, rows_of[k]))}"
                          f"{', ...' if num_rows[k] > len(rows_of[k]) else ''})" for k, n in counts.most_common())
 
     if drops:

@@ -774,7 +774,7 @@ OI_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ct.OPEN_INSTRUCT_TEMPLATES))
+@pytest.mark.parametrize("name", sorted(OPEN_INSTRUCT))
 @pytest.mark.parametrize("case", sorted(OI_CASES))
 def test_open_instruct_think_templates_render_as_open_instruct(tok, name, case):
     """Without its generation tags ours renders byte for byte as open-instruct's definition, and its labels are
@@ -831,3 +831,10 @@ def test_diff_takes_hub_ids_from_the_local_cache(exported, tmp_path):
     missing = cli("allenai/olmo-3-tokenizer-think-release", exported)
     assert missing.returncode == 2 and "'allenai/olmo-3-tokenizer-think-release' is not a local directory" in \
         missing.stderr
+
+
+def test_drop_log_names_the_file_and_line_of_mixture_rows(tok, tmp_path, caplog):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in ([USER, ANSWER], [USER], [USER, ANSWER])))
+    ct.tokenize_sft(ct.load_mixture([str(path), "1.0"]), tok, 512, cache_dir="")
+    assert "no_final_assistant: 1 (row " in caplog.text and f" = {path}:2)" in caplog.text
