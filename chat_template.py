@@ -11,18 +11,24 @@ Templates (`TEMPLATES`, rendered text identical to the released Olmo 3 tokenizer
                             `tool` / `environment` messages as an `environment` turn, the final
                             assistant turn ends with eos. With no system message it adds the released
                             default system turn ("You are a helpful function-calling AI assistant. ...").
-    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default; like the
-                            released Instruct template it prints empty calls and ignores `reasoning_content`.
+    olmo3-instruct-release  the same with the Olmo identity system prompt in place of that default.
     olmo3-think-dev         instruct-dev plus `<think>` in `add_generation_prompt` (olmo-3.2-tokenizer-think-dev).
-    olmo3-think-release     think-dev with the identity prompt and the release's empty calls
-                            (olmo-3.2-tokenizer-think-release).
+    olmo3-think-release     think-dev with the identity prompt (olmo-3.2-tokenizer-think-release).
 
-Each assistant turn is wrapped in a `{% generation %}` block (seed 002 / Olmo 3.5 placement): after
-the `<|im_start|>assistant\\n` header and before any generated `<think>`, covering `reasoning_content`
-(as `<think>...</think>`, except under olmo3-instruct-release: see below), the answer, the serialized
-tool calls and the closing token; the generation prompt and the `\\n` between turns stay outside.
-Labels come from those blocks, so an opening `<think>` in the data is trained even under a think
-template whose generation prompt adds it.
+As the tokenizer notes state it, release = dev + the identity prompt and think = instruct + `<think>` in the
+generation prompt: the four differ nowhere else (all render empty calls and ignore `reasoning_content`, as
+the released Instruct template does, tests/data/olmo3_released_instruct.jinja).
+
+Options (`python chat_template.py list` names all):
+    NAME-handoff            (each of the four) the Olmo 3.5 notes' convention: a turn that calls tools always
+                            closes with `<|im_end|>` (it hands control to the environment), so a tool call
+                            trains `<|im_end|>` and only an answer trains eos. The released templates close
+                            a conversation's final message with eos even when it is a call, so SFT / DPO rows
+                            ending in a call train `</function_calls>` + eos there.
+    olmo_thinker_no_think_7b, olmo_thinker, olmo_thinker_no_think_sft_tokenization
+                            open-instruct's original Olmo 3 Think templates (7B SFT; 7B DPO and RL; 32B
+                            SFT), by open-instruct's names, rendering as its definitions do. Their older
+                            format reads no `tools` / `tool_calls` (rows with them drop, counted).
 
 Labeling (`tokenize_messages`):
   * templates with blocks: every block trains (`only_last_turn=False`), or, for preference data
@@ -43,20 +49,20 @@ Labeling (`tokenize_messages`):
     are extended back over the gap, so whitespace belongs to the token that holds it.
 
 Decisions on cases the Olmo 3 format leaves open:
-  * a final assistant turn ends with eos whether or not it is a tool call, and every earlier turn
+  * a final assistant turn ends with eos whether or not it is a tool call (the -handoff options: unless it
+    is a call), and every earlier turn
     with `<|im_end|>\\n`, byte for byte as the released Olmo 3 / 3.1 Instruct templates render it
     (tests/data/olmo3_released_instruct.jinja is the released text; the tests compare renders). So a
     conversation that ends in a tool call is not a prefix of the one continued with the tool result.
-  * an empty `tool_calls` list or `function_calls` string: the release templates print an empty
+  * an empty `tool_calls` list or `function_calls` string: the templates print an empty
     `<function_calls></function_calls>`, as the released one does (it tests only `is not none`), so data
-    that stores `tool_calls: []` on plain turns trains on that text there; the dev templates render no call.
+    that stores `tool_calls: []` on plain turns trains on that text there.
     When both count as given, `function_calls` wins over `tool_calls`. An assistant turn with content
     None, empty calls and no reasoning drops the row (`missing_content`).
-  * `reasoning_content`: olmo3-instruct-release ignores it, as the released Instruct template does
-    (counted as the warning `reasoning_content_ignored`); a turn with nothing else (no content, no calls)
-    would train on its closing token alone and drops the row (`reasoning_content_not_rendered`, also
-    for any other template that never reads the field). The think and dev templates render it as
-    `<think>...</think>` before the content.
+  * `reasoning_content`: the templates ignore it, as the released Instruct template does (counted as the
+    warning `reasoning_content_ignored`); a turn with nothing else (no content, no calls) would train on
+    its closing token alone and drops the row (`reasoning_content_not_rendered`, for any template that
+    never reads the field). Put reasoning in `content` as `<think>...</think>` (Dolci's format).
   * tool call `arguments` given as a JSON string (the OpenAI wire format) are parsed into a dict
     before rendering, so they serialize as `key=json(value)`; a string that is not a JSON object drops
     the row (`bad_tool_call`). Flat calls `{"name", "arguments"}` are accepted like
@@ -74,6 +80,8 @@ over_length_strategy (rows longer than max_length):
     terminate  left truncation: keep the last max_length tokens, so the tail with its terminator is
                intact; if the last trained token is not already eos or the tool hand-off `<|im_end|>`
                it becomes eos (an existing hand-off is never overwritten). No trained token left: dropped.
+               A preference pair is cut on both sides at the same left position, inside its shared
+               prompt, so both answers keep one context; a pair that cannot be is dropped.
     truncate   plain right truncation (RL prompts; it cuts the terminator off a training row).
 
 Dataset helpers: `load_mixture` (Hub datasets, local .json/.jsonl/.parquet files or `save_to_disk`
@@ -98,6 +106,7 @@ Command line (a stable contract; exit 2 on bad input):
     python chat_template.py show --template NAME --tokenizer DIR --messages FILE.json [--only-last-turn]
     python chat_template.py export NAME --tokenizer DIR --out DIR
     python chat_template.py diff A B [--messages FILE.json]       # exit 0 same, 1 different, 2 bad input
+                                                                  # A, B: tokenizer directories or Hub ids
 
 NAME is a template name, a `.jinja` file or a tokenizer directory (its `chat_template.jinja` wins over
 `tokenizer_config.json`, as in transformers). FILE.json holds a list of messages, or an object with
@@ -185,13 +194,13 @@ _TEMPLATE_LINES = [
     "{%- elif message['role'] == 'user' -%}",
     "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}",
     "{%- elif message['role'] == 'assistant' -%}",
-    "{%- set has_function_calls = message.get('function_calls', none) is not none__FC_NONEMPTY__ -%}",
-    "{%- set has_tool_calls = message.get('tool_calls', none) is not none__TC_NONEMPTY__ -%}",
+    # As released: a call counts when given (`is not none`), so an empty list or string prints empty tags.
+    "{%- set has_function_calls = message.get('function_calls', none) is not none -%}",
+    "{%- set has_tool_calls = message.get('tool_calls', none) is not none -%}",
     "{{- '<|im_start|>assistant\\n' -}}",
     # Seed 002: the block starts after the header and before any generated <think>; it covers
     # reasoning, answer, tool calls and the closing token. The separator `\n` stays outside.
     "{%- generation -%}",
-    "__REASONING__",
     "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}",
     "{%- if has_function_calls -%}",
     "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}",
@@ -221,7 +230,8 @@ _TEMPLATE_LINES = [
     "{{- '</function_calls>' -}}",
     "{%- endif -%}",
     # As released: the final message ends with eos, tool call or not; earlier turns with <|im_end|>\n.
-    "{%- if not loop.last -%}",
+    # `__HANDOFF__` (the -handoff variants): a turn that calls tools always closes with <|im_end|>.
+    "{%- if not loop.last__HANDOFF__ -%}",
     "{{- '<|im_end|>' -}}",
     "{%- else -%}",
     "{{- eos_token -}}",
@@ -238,29 +248,81 @@ _TEMPLATE_LINES = [
 ]
 
 
-_REASONING = ("{%- if message.get('reasoning_content', none) is not none -%}"
-              "{{- '<think>' + message['reasoning_content'] + '</think>' -}}{%- endif -%}")
-
-
-def _build(release: bool, think: bool) -> str:
-    # The released templates test calls with `is not none` only (an empty list or string prints an empty
-    # <function_calls></function_calls>); the dev variants also require a non-empty value. The released
-    # Instruct template has no reasoning_content; the think and dev variants render it as <think>..</think>.
-    nonempty = "" if release else " and (message['{}'] | length) > 0"
+def _build(release: bool, think: bool, handoff: bool = False) -> str:
     return ("".join(_TEMPLATE_LINES)
             .replace("__SYSTEM__", OLMO_IDENTITY if release else DEV_SYSTEM)
             .replace("__THINK__", "<think>" if think else "")
-            .replace("__FC_NONEMPTY__", nonempty.format("function_calls"))
-            .replace("__TC_NONEMPTY__", nonempty.format("tool_calls"))
-            .replace("__REASONING__", "" if release and not think else _REASONING))
+            .replace("__HANDOFF__", " or has_function_calls or has_tool_calls" if handoff else ""))
 
 
+# The four released variants (byte-identical renders to the released tokenizers).
 TEMPLATES: dict[str, str] = {
     "olmo3-instruct-dev": _build(release=False, think=False),
     "olmo3-instruct-release": _build(release=True, think=False),
     "olmo3-think-dev": _build(release=False, think=True),
     "olmo3-think-release": _build(release=True, think=True),
 }
+# The Olmo 3.5 notes' convention as an option: a tool call trains <|im_end|> (it hands control to the
+# environment), an answer trains eos. Renders differ from the release only in a conversation's final
+# tool call: `...</function_calls><|im_end|>` instead of `...</function_calls>` + eos.
+HANDOFF_TEMPLATES: dict[str, str] = {
+    f"{name}-handoff": _build(release="release" in name, think="think" in name, handoff=True) for name in TEMPLATES}
+
+# The original Olmo 3 Think templates, by their open-instruct names (`--chat_template_name`), rendering exactly
+# as open-instruct's definitions (open_instruct/dataset_transformation.py, CHAT_TEMPLATES) with generation
+# blocks added. Their format predates the released one: no `tools` or `tool_calls` (calls are a
+# `function_calls` string, tool schemas a `functions` string on a system or user message), results only as
+# `environment` messages, and a system message always gets the functions sentence.
+#   olmo_thinker_no_think_7b                Olmo 3 7B Think SFT data (Olmo identity, no <think> prompt)
+#   olmo_thinker                            Olmo 3 7B Think DPO and RL (open-instruct's 7b_think_dpo.sh /
+#                                           7b_think_rl.sh): plain system prompt, <think> generation prompt
+#   olmo_thinker_no_think_sft_tokenization  Olmo 3 32B Think SFT data (plain system prompt, no <think> prompt)
+OI_PLAIN_SYSTEM = "You are a helpful AI assistant."
+_OPEN_INSTRUCT_LINES = [
+    "{%- set has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0 -%}",
+    "{%- if not has_system -%}{{- '<|im_start|>system\\n__SYSTEM__<|im_end|>\\n' -}}{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if message['role'] == 'system' -%}",
+    "{{- '<|im_start|>system\\n' + message['content'] -}}",
+    "{%- if message.get('functions', none) is not none -%}",
+    "{{- ' <functions>' + message['functions'] + '</functions><|im_end|>\\n' -}}",
+    "{%- else -%}",
+    "{{- ' " + NO_FUNCTIONS + "<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- elif message['role'] == 'user' -%}",
+    "{{- '<|im_start|>user\\n' + message['content'] -}}",
+    "{%- if message.get('functions', none) is not none -%}",
+    "{{- '\\n<functions>' + message['functions'] + '</functions>' -}}",
+    "{%- endif -%}",
+    "{{- '<|im_end|>\\n' -}}",
+    "{%- elif message['role'] == 'assistant' -%}",
+    "{{- '<|im_start|>assistant\\n' -}}",
+    "{%- generation -%}",
+    "{%- if message.get('content', none) is not none -%}{{- message['content'] -}}{%- endif -%}",
+    "{%- if message.get('function_calls', none) is not none -%}",
+    "{{- '<function_calls>' + message['function_calls'] + '</function_calls>' -}}",
+    "{%- endif -%}",
+    "{%- if not loop.last -%}{{- '<|im_end|>' -}}{%- else -%}{{- eos_token -}}{%- endif -%}",
+    "{%- endgeneration -%}",
+    "{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}",
+    "{%- elif message['role'] == 'environment' -%}",
+    "{{- '<|im_start|>environment\\n' + message['content'] + '<|im_end|>\\n' -}}",
+    "{%- endif -%}",
+    "{%- if loop.last and add_generation_prompt -%}{{- '<|im_start|>assistant\\n__THINK__' -}}{%- endif -%}",
+    "{%- endfor -%}",
+]
+
+
+def _build_open_instruct(system: str, think: bool) -> str:
+    return "".join(_OPEN_INSTRUCT_LINES).replace("__SYSTEM__", system).replace("__THINK__", "<think>" if think else "")
+
+
+OPEN_INSTRUCT_TEMPLATES: dict[str, str] = {
+    "olmo_thinker_no_think_7b": _build_open_instruct(OLMO_IDENTITY, think=False),
+    "olmo_thinker": _build_open_instruct(OI_PLAIN_SYSTEM, think=True),
+    "olmo_thinker_no_think_sft_tokenization": _build_open_instruct(OI_PLAIN_SYSTEM, think=False),
+}
+ALL_TEMPLATES: dict[str, str] = {**TEMPLATES, **HANDOFF_TEMPLATES, **OPEN_INSTRUCT_TEMPLATES}
 
 
 def _read_text(path: str) -> str:
@@ -288,8 +350,8 @@ def get_template(name_or_path: str) -> str:
     """
     if not isinstance(name_or_path, str):
         raise ValueError(f"a template name or path must be a string, got {type(name_or_path).__name__}")
-    if name_or_path in TEMPLATES:
-        return TEMPLATES[name_or_path]
+    if name_or_path in ALL_TEMPLATES:
+        return ALL_TEMPLATES[name_or_path]
     if "{%" in name_or_path or "{{" in name_or_path:
         return name_or_path
     if os.path.isfile(name_or_path):
@@ -304,7 +366,7 @@ def get_template(name_or_path: str) -> str:
         jinja, config = _dir_templates(name_or_path)
         if jinja is not None or config:
             return jinja if jinja is not None else config
-    raise ValueError(f"unknown template {name_or_path!r}: not one of {sorted(TEMPLATES)}, "
+    raise ValueError(f"unknown template {name_or_path!r}: not one of {list(ALL_TEMPLATES)}, "
                      "a .jinja file or a tokenizer dir")
 
 
@@ -501,10 +563,11 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
             if any(a < boundary < b for a, b in ranges):
                 raise DroppedRow("ambiguous_block_ownership", "a block straddles the final message's start")
             ranges = [(a, b) for a, b in ranges if a >= boundary]
-            if ranges and ranges[0][0] == boundary and warnings is not None:
-                warnings["block_covers_header"] += 1  # the block starts with the final turn: header trains
         if not ranges:
             raise DroppedRow("no_generation_block")
+        if warnings is not None and template not in _BUNDLED:
+            _review_external_blocks(template, messages, tools, special, full, ranges, warnings,
+                                    boundary if only_last_turn else 0)
         specials = _all_special_strings(tokenizer)
         for a, b in ranges:
             after = full[b:]
@@ -514,9 +577,8 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
             hit = next((s for s in specials if after.startswith(s)), None)
             if hit is not None and warnings is not None:
                 warnings[f"special_token_after_block:{hit}"] += 1
-                if warnings[f"special_token_after_block:{hit}"] == 1:
-                    logger.warning("special token %r right after a generation block: a missing terminator, "
-                                   "or a correctly masked next header? (logged once)", hit)
+                _log_once(f"special token {hit!r} right after a generation block: a missing terminator, or a "
+                          "correctly masked next header? (the tokenize summary names the rows)")
     else:
         # Prefix labeling (templates without blocks): train everything after the generation prompt of
         # the final assistant message. Known limitation: it masks whatever the generation prompt adds.
@@ -531,6 +593,8 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
         ranges = [(len(prompt), len(full))]
         if not only_last_turn and warnings is not None and sum(m.get("role") == "assistant" for m in messages) > 1:
             warnings["prefix_labeling_last_turn_only"] += 1
+        if warnings is not None and "<think>" in prompt[len(before):]:
+            warnings["prefix_labeling_masks_think"] = 1  # per row (a pair's two sides count once); the known bug
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     input_ids, offsets = list(enc["input_ids"]), _token_starts(enc["offset_mapping"])
     mask, r = [], 0
@@ -541,6 +605,50 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
     if not any(mask):
         raise DroppedRow("no_trained_tokens")
     return {"text": full, "input_ids": input_ids, "offsets": offsets, "mask": mask, "ranges": ranges}
+
+
+_BUNDLED = frozenset(ALL_TEMPLATES.values())  # tested here: the review aids below are for external templates
+_LOGGED = set()
+
+
+def _log_once(message: str) -> None:
+    """A warning logged once per process (the per-row counts go to the tokenize summary)."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
+
+
+def _review_external_blocks(template, messages, tools, special, full, ranges, warnings, trained_from=0) -> None:
+    """Review aids for an external template's blocks, in every labeling mode: a block that starts where an
+    assistant message starts trains its header (`block_covers_header`); a message's tool calls rendered only
+    outside blocks go untrained (`tool_calls_outside_block`). A message's start is the length of the render of
+    the messages before it, where that render is a prefix of the whole (one render per assistant message)."""
+    starts = {}
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            try:
+                before = _render(template, messages[:i], tools, False, special)[0]
+            except Exception:  # noqa: BLE001 - a template that needs a first message: no start known
+                continue
+            if full.startswith(before):
+                starts[i] = len(before)
+    bounds = sorted(starts.values()) + [len(full)]
+    for i, start in starts.items():
+        end = bounds[bounds.index(start) + 1]
+        if start < trained_from:
+            continue  # last-turn labeling: earlier messages do not train
+        if any(a == start < b for a, b in ranges):
+            warnings["block_covers_header"] += 1
+            _log_once("a generation block starts where an assistant message starts: its header trains "
+                      "(the tokenize summary names the rows)")
+        for call in messages[i].get("tool_calls") or []:
+            name = (call.get("function") or {}).get("name") if isinstance(call, dict) else None
+            at = [m.start() for m in re.finditer(re.escape(name), full[start:end])] if name else []
+            if at and not any(a <= start + k < b for k in at for a, b in ranges):
+                warnings["tool_calls_outside_block"] += 1
+                _log_once("an assistant message's tool calls render outside its generation blocks: they do not "
+                          "train (the tokenize summary names the rows)")
+                break
 
 
 def _token_starts(offset_mapping) -> list[int]:
@@ -587,10 +695,17 @@ def apply_over_length(tokenizer, input_ids, labels, max_length, over_length_stra
     return list(input_ids[:max_length]), list(labels[:max_length])  # truncate
 
 
-def _check_reasoning_rendered(messages, template: str, warnings=None) -> None:
-    """A template that never reads `reasoning_content` (olmo3-instruct-release, as released) leaves it out.
-    An assistant turn with nothing else would render empty and train on its closing token alone: the row
-    drops (`reasoning_content_not_rendered`); otherwise each ignored field is counted as a warning."""
+def _check_fields_rendered(messages, template: str, tools=None, warnings=None) -> None:
+    """Fields a template never reads are left out of the text. The released Olmo 3 templates ignore
+    `reasoning_content`: an assistant turn with nothing else would render empty and train on its closing
+    token alone, so the row drops (`reasoning_content_not_rendered`); otherwise each ignored field is counted
+    as a warning. Tool calls or tool schemas given to a template that never reads them (open-instruct's
+    original Olmo 3 Think templates, a Hub template without tool support) drop the row
+    (`tool_calls_not_rendered`, `tools_not_rendered`): the text would not hold them."""
+    if tools and "tools" not in template:
+        raise DroppedRow("tools_not_rendered", "the template ignores `tools`")
+    if "tool_calls" not in template and any(m.get("tool_calls") for m in messages):
+        raise DroppedRow("tool_calls_not_rendered", "the template ignores `tool_calls`")
     if "reasoning_content" in template:
         return
     for message in messages:
@@ -616,7 +731,7 @@ def tokenize_messages(tokenizer, messages, tools=None, chat_template=None, max_l
         raise DroppedRow("no_final_assistant")
     messages, tools = _normalize(messages, tools)
     template = _resolve_template(tokenizer, chat_template)
-    _check_reasoning_rendered(messages, template, warnings)
+    _check_fields_rendered(messages, template, tools, warnings)
     out = _label_conversation(tokenizer, messages, tools, template, only_last_turn, warnings)
     labels = [t if m else -100 for t, m in zip(out["input_ids"], out["mask"])]
     input_ids, labels = apply_over_length(tokenizer, out["input_ids"], labels, max_length, over_length_strategy)
@@ -628,7 +743,7 @@ def tokenize_prompt(tokenizer, messages, tools=None, chat_template=None) -> list
     validate_messages(messages)
     messages, tools = _normalize(messages, tools)
     template = _resolve_template(tokenizer, chat_template)
-    _check_reasoning_rendered(messages, template)
+    _check_fields_rendered(messages, template, tools)
     try:
         text = _render(template, messages, tools, True, _special_tokens(tokenizer))[0]
     except Exception as e:  # noqa: BLE001 - e.g. an external template's raise_exception()
@@ -935,16 +1050,31 @@ def _tokenize_dataset(dataset, tokenizer, kind, row_fn, settings, columns, cache
         kept = (datasets.Dataset.from_list(kept_rows) if kept_rows
                 else datasets.Dataset.from_dict({c: [] for c in columns}))
     drops = collections.Counter(r for r in reasons if r)
-    warnings = collections.Counter()
-    for w in warning_strings:
+    warnings, rows_of, num_rows = collections.Counter(), collections.defaultdict(list), collections.Counter()
+    for i, (reason, w) in enumerate(zip(reasons, warning_strings)):
+        for key in ([reason] if reason else []) + (list(json.loads(w)) if w else []):
+            num_rows[key] += 1
+            if len(rows_of[key]) < 5:  # the first few row indices of each reason
+                rows_of[key].append(i)
         if w:
             warnings.update(json.loads(w))
     stats.update(drops)
     stats.total, stats.kept, stats.warnings = len(dataset), len(kept), warnings
+
+    def where(i):  # a row as its file and line where load_mixture says it, else its index in the dataset given
+        columns = getattr(dataset, "column_names", [])
+        if "source" in columns and "source_line" in columns:
+            return f"{i} = {dataset[i]['source']}:{dataset[i]['source_line']}"
+        return str(i)
+
+    def named(counts):  # reason: count (rows 3 = a.jsonl:7, ...), the first few rows of each
+        return "; ".join(f"{k}: {n} (row{'s' if num_rows[k] > 1 else ''} {', '.join(map(where, rows_of[k]))}"
+                         f"{', ...' if num_rows[k] > len(rows_of[k]) else ''})" for k, n in counts.most_common())
+
     if drops:
-        logger.warning("tokenize %s: dropped %d of %d rows: %s", kind, sum(drops.values()), len(dataset), dict(drops))
+        logger.warning("tokenize %s: dropped %d of %d rows: %s", kind, sum(drops.values()), len(dataset), named(drops))
     if warnings:
-        logger.warning("tokenize %s: warnings: %s", kind, dict(warnings))
+        logger.warning("tokenize %s: warnings: %s", kind, named(warnings))
     if len(kept) == 0 and len(dataset):
         logger.error("tokenize %s: every row was dropped", kind)
     if path:
@@ -988,6 +1118,27 @@ def tokenize_sft(dataset, tokenizer, max_length, over_length_strategy="drop", ch
     return _tokenize_dataset(dataset, tokenizer, "sft", row_fn, settings, ["input_ids", "labels"], cache_dir, num_proc)
 
 
+def _pair_over_length(tokenizer, pair: dict, max_length, over_length_strategy) -> dict:
+    """A preference pair longer than max_length, on either side. A pair is compared on one context, so
+    `terminate` cuts both sides at the same left position, inside the prompt they share (both tails intact);
+    a pair whose cut would reach either answer drops (`over_length`). `drop` and `truncate` act on each
+    side as for single rows."""
+    sides = ("chosen", "rejected")
+    longest = max(len(pair[f"{k}_input_ids"]) for k in sides)
+    if over_length_strategy != "terminate" or max_length is None or longest <= max_length:
+        for k in sides:
+            pair[f"{k}_input_ids"], pair[f"{k}_labels"] = apply_over_length(
+                tokenizer, pair[f"{k}_input_ids"], pair[f"{k}_labels"], max_length, over_length_strategy)
+        return pair
+    cut = longest - max_length
+    chosen, rejected = pair["chosen_input_ids"], pair["rejected_input_ids"]
+    shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    first_trained = min(next(i for i, label in enumerate(pair[f"{k}_labels"]) if label != -100) for k in sides)
+    if cut > min(shared, first_trained):
+        raise DroppedRow("over_length", "cutting the pair to max_length would reach an answer")
+    return {key: list(value[cut:]) for key, value in pair.items()}
+
+
 def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="drop", chat_template=None,
                         cache_dir=None, num_proc=None):
     """Rows with `chosen` / `rejected` message lists -> ids and labels on the final assistant turn only.
@@ -1017,15 +1168,33 @@ def tokenize_preference(dataset, tokenizer, max_length, over_length_strategy="dr
             prompts.append(_strip_none(list(messages[:-1])) if isinstance(messages, (list, tuple)) else None)
             if len(prompts) == 2 and prompts[0] != prompts[1]:  # a pair answers one prompt
                 raise DroppedRow("prompt_mismatch", "chosen and rejected differ before their last turn")
-            t = tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template, max_length=max_length,
-                                  over_length_strategy=over_length_strategy, only_last_turn=True, warnings=warnings)
+            # the pair's length is settled below, on both sides at once
+            t = tokenize_messages(tokenizer, messages, tools=tools, chat_template=chat_template,
+                                  only_last_turn=True, warnings=warnings)
             out[f"{key}_input_ids"], out[f"{key}_labels"] = t["input_ids"], t["labels"]
-        return out
+        return _pair_over_length(tokenizer, out, max_length, over_length_strategy)
 
     settings = {"max_length": max_length, "over_length_strategy": over_length_strategy,
                 "chat_template_source": template}
     columns = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     return _tokenize_dataset(dataset, tokenizer, "preference", row_fn, settings, columns, cache_dir, num_proc)
+
+
+def prefix_labeling_notice(tokenizer, chat_template, stats: DropCounts) -> str | None:
+    """The start-up message of sft.py / dpo.py when the template has no `{% generation %}` blocks (None when it
+    has): what prefix labeling does to this data, with the rows affected, and the fix."""
+    template = _resolve_template(tokenizer, chat_template)
+    if has_generation_blocks(template):
+        return None
+    warnings = stats.warnings or {}
+    source = f"--chat_template {chat_template}" if chat_template else "the checkpoint's own chat template"
+    return (f"{source} has no {{% generation %}} blocks, so labels come from prefix labeling: everything after the "
+            "generation prompt of the final assistant turn trains, nothing else. Rows affected: "
+            f"{warnings.get('prefix_labeling_last_turn_only', 0)} of {stats.total} train only their last of several "
+            f"assistant turns; {warnings.get('prefix_labeling_masks_think', 0)} have the opening <think> of their "
+            "answer masked, because the generation prompt holds it (the known bug generation blocks fix). Fix: "
+            "--chat_template with a bundled template (`python chat_template.py list`; the Olmo 3 tokenizer notes "
+            "train think data with olmo3-instruct-dev) or a .jinja file with {% generation %} blocks.")
 
 
 def rlvr_verifier(row):
@@ -1204,10 +1373,9 @@ COMMON_UNSUPPORTED_FLAGS = {
 # open-instruct template either: open-instruct then takes the tokenizer's own, as omitting the flag does.
 OPEN_INSTRUCT_TEMPLATE_NAMES = {
     "olmo123": None,
-    **{name: f"open-instruct's `{name}` template (OLMo identity, November 2024 cutoff) is not bundled: omit "
-             "--chat_template to use the checkpoint's own (the released Olmo 3 checkpoints carry the template "
-             "they were trained with), or give one of `python chat_template.py list` or a .jinja file"
-       for name in ("olmo", "olmo_thinker", "olmo_thinker_no_think_7b", "olmo_thinker_no_think_sft_tokenization")},
+    "olmo": ("open-instruct's `olmo` template (OLMo identity, November 2024 cutoff) is not bundled: omit "
+             "--chat_template to use the checkpoint's own (the released Olmo 3 checkpoints carry the template they "
+             "were trained with), or give one of `python chat_template.py list` or a .jinja file"),
 }
 
 
@@ -1351,7 +1519,7 @@ def _load_tokenizer(path: str):
 
 
 def cmd_list(args) -> int:
-    sys.stdout.write("".join(name + "\n" for name in TEMPLATES))
+    sys.stdout.write("".join(name + "\n" for name in ALL_TEMPLATES))
     return 0
 
 
@@ -1470,9 +1638,29 @@ def _unified(a_lines, b_lines, label_a, label_b) -> list[str]:
     return list(difflib.unified_diff(a_lines, b_lines, fromfile=label_a, tofile=label_b, lineterm=""))
 
 
-def _tokenizer_facts(path: str) -> dict:
-    if not os.path.isdir(path):
-        raise BadInput(f"not a directory: {path!r}")
+def _tokenizer_dir(name: str) -> str:
+    """A tokenizer directory, or a Hub id as `from_pretrained` takes it: its snapshot in the local Hugging Face
+    cache (offline), else its tokenizer files (never weights) downloaded into that cache when online."""
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name) or not re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        raise BadInput(f"not a tokenizer directory or a Hub id: {name!r}")
+    from huggingface_hub import snapshot_download
+
+    files = TOKENIZER_FILES + ["chat_template.jinja", "chat_template.json", "config.json"]
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local cache: try the Hub below
+        pass
+    try:
+        return snapshot_download(name, allow_patterns=files)
+    except Exception as e:  # noqa: BLE001 - offline, unknown, gated: bad input for the CLI
+        raise BadInput(f"{name!r} is not a local directory, not in the Hugging Face cache, and could not be "
+                       f"downloaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _tokenizer_facts(name: str) -> dict:
+    path = _tokenizer_dir(name)
     config_path = os.path.join(path, "tokenizer_config.json")
     config = _read_json(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
     if not isinstance(config, dict):
@@ -1487,7 +1675,8 @@ def _tokenizer_facts(path: str) -> dict:
     added = sorted((int(i), str(t), bool(getattr(t, "special", False)))
                    for i, t in tokenizer.added_tokens_decoder.items())
     return {
-        "path": path, "config": config, "jinja": jinja, "config_template": in_config,
+        "path": name if name == path else f"{name} ({path})", "config": config, "jinja": jinja,
+        "config_template": in_config,
         "template": jinja if jinja is not None else in_config, "tokenizer": tokenizer,
         "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()}, "added": added,
         "vocab": tokenizer.get_vocab(), "len": len(tokenizer),
@@ -1627,7 +1816,8 @@ def main(argv=None) -> int:
     p.add_argument("name", help="template name, .jinja file or tokenizer directory")
     p.add_argument("--tokenizer", required=True, help="source tokenizer directory")
     p.add_argument("--out", required=True, help="output directory")
-    p = sub.add_parser("diff", help="compare two tokenizer directories (exit 0 same, 1 different, 2 bad input)")
+    p = sub.add_parser("diff", help="compare two tokenizers, directories or Hub ids (exit 0 same, 1 different, "
+                                    "2 bad input)")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--messages", default=None,

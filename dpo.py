@@ -150,12 +150,13 @@ class Args:
         "help": "hold out this fraction of the training pairs for eval/accuracy (when no eval mixer list is given)"})
     chat_template: str = field(default=None, metadata={
         "aliases": ["--chat_template_name"],
-        "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
+        "help": "a template name (`python chat_template.py list`) or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
     max_seq_length: int = field(
         default=16384, metadata={"help": "max tokens per chosen / rejected conversation (Olmo 3 7B DPO: 16384)"})
     over_length_strategy: str = field(default="drop", metadata={
-        "help": "what to do with longer conversations (see chat_template.py)"})
+        "help": "longer pairs: drop, or terminate (both sides cut at the same left position inside their shared "
+                "prompt; a pair that cannot be is dropped); see chat_template.py"})
     # --- algorithm (defaults: Olmo 3 7B Instruct DPO, open-instruct scripts/train/olmo3/7b_instruct_dpo.sh) ---
     loss_type: str = field(default="dpo_norm", metadata={
         "aliases": ["--dpo_loss_type"], "help": "dpo | dpo_norm | simpo | ipo (Olmo 3 / Tulu 3: dpo_norm)"})
@@ -1007,6 +1008,9 @@ def load_data(args, tokenizer, world: World) -> tuple[list[dict], list[dict], di
         dataset, eval_dataset = split["train"], split["test"]
     if world.is_main:
         world.barrier()
+    notice = chat_template.prefix_labeling_notice(tokenizer, args.chat_template, drops)
+    if notice and world.is_main:  # once, at start-up: labels a template without generation blocks cannot give
+        print(f"WARNING: {notice}", flush=True)
     keys = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
     pairs = [{k: r[k] for k in keys} for r in dataset]
     eval_pairs = [{k: r[k] for k in keys} for r in eval_dataset] if eval_dataset is not None else []

@@ -764,7 +764,7 @@ class Actor:
 
     def _end_turn(self, rid: str, st: dict, c):
         """A turn of a tool episode finished. Calls in it run (ToolRunner) unless the episode is out of turns or
-        tokens; a turn without a call is the answer, and the episode ends."""
+        tokens or the call closed with eos; a turn without a call is the answer, and the episode ends."""
         st["versions"] += self._token_versions(c, len(st["tokens"]) - st["turn_start"])
         del self.pending[rid]
         calls = None
@@ -774,6 +774,13 @@ class Actor:
                 calls = parse_tool_calls(text)
             except ToolCallError as e:
                 calls = e
+            if calls is not None and st["tokens"][-1] not in self.tool_turns.stop_token_ids:
+                # A call closed by eos, not the hand-off token (the released templates train eos after a
+                # conversation's final call): no template renders a turn after eos, so the episode ends here,
+                # the call not run and no answer to score; counted (tools/errors_call_closed_by_eos).
+                self.stats["tool_errors_call_closed_by_eos"] += 1
+                st["turn_start"] = len(st["tokens"])
+                return self._finish_sample(st, "call_closed_by_eos", st["versions"])
         meta = self.groups[st["group"]]["meta"]
         if calls is None and c.finish_reason == "length" and st["turns"] < meta.get("bench_turns", 0) \
                 and len(st["tokens"]) < self.args.max_response_length:

@@ -103,7 +103,7 @@ class Args:
         "help": "split of each Hub source: one for all or one per source (Olmo 3: train)"})
     chat_template: str = field(default=None, metadata={
         "aliases": ["--chat_template_name"],
-        "help": "template name from chat_template.TEMPLATES or a .jinja path; default: the tokenizer's own. "
+        "help": "a template name (`python chat_template.py list`) or a .jinja path; default: the tokenizer's own. "
                 "The template used for training is saved with the model"})
     max_seq_length: int = field(
         default=4096, metadata={"help": "max tokens per conversation (and per packed row); Tulu 3: 4096"})
@@ -900,6 +900,9 @@ def load_data(args, tokenizer, world: World) -> tuple[list[dict], dict]:
                                                 chat_template=args.chat_template)
     if world.is_main:
         world.barrier()
+    notice = chat_template.prefix_labeling_notice(tokenizer, args.chat_template, drops)
+    if notice and world.is_main:  # once, at start-up: labels a template without generation blocks cannot give
+        print(f"WARNING: {notice}", flush=True)
     examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
     if not examples:
         raise SystemExit(f"no trainable rows left (dropped: {dict(drops)})")

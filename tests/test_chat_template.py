@@ -131,9 +131,9 @@ def test_tool_calls_and_results(name):
 @pytest.mark.parametrize("name", list(ct.TEMPLATES))
 def test_reasoning_content(name):
     msg = {"role": "assistant", "reasoning_content": "7+5=12", "content": "\\boxed{12}"}
-    # The released Instruct template never reads reasoning_content (tests/test_released_template.py).
-    think = "" if name == "olmo3-instruct-release" else "<think>7+5=12</think>"
-    assert r([USER, msg], name).endswith("<|im_start|>assistant\n" + think + "\\boxed{12}" + EOS)
+    # The released Instruct template never reads reasoning_content (tests/test_released_template.py), nor do
+    # its dev / think variants (the notes: they differ only in the system and generation prompts).
+    assert r([USER, msg], name).endswith("<|im_start|>assistant\n\\boxed{12}" + EOS)
 
 
 @pytest.mark.parametrize("name", list(ct.TEMPLATES))
@@ -309,6 +309,42 @@ def test_external_template_checks_drop_or_warn(tok):
     out = ct.tokenize_messages(tok, CONV, chat_template=ext(GOOD_USER_END, no_newline), warnings=warnings)
     assert warnings["special_token_after_block:<|im_start|>"] == 1
     assert trained_spans(tok, out) == ["12<|im_end|>", "13" + EOS]
+
+
+def test_external_template_review_aids_warn_in_both_modes_and_name_rows(tok, caplog):
+    """A block covering the assistant header, and tool calls rendered outside a content-only block: warned in
+    SFT and last-turn labeling alike, logged once, and the tokenize summary names the first rows of each
+    warning and drop reason."""
+    header_in_block = ("{%- generation -%}{{- '<|im_start|>assistant\\n' + m['content'] -}}"
+                       "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}"
+                       "{{- '' if loop.last else '\\n' -}}")
+    covers = ext(GOOD_USER_END, header_in_block)
+    for last_turn, count in ((False, 2), (True, 1)):
+        warnings = collections.Counter()
+        ct.tokenize_messages(tok, CONV, chat_template=covers, only_last_turn=last_turn, warnings=warnings)
+        assert warnings == {"block_covers_header": count}
+    calls_outside = ("{{- '<|im_start|>assistant\\n' -}}{%- for c in m.get('tool_calls') or [] -%}"
+                     "{{- c['function']['name'] + '()' -}}{%- endfor -%}{%- generation -%}{{- m['content'] or '' -}}"
+                     "{{- eos_token if loop.last else '<|im_end|>' -}}{%- endgeneration -%}"
+                     "{{- '' if loop.last else '\\n' -}}")
+    call = {"role": "assistant", "content": "ok", "tool_calls": [{"function": {"name": "lookup", "arguments": {}}}]}
+    for last_turn in (False, True):
+        warnings = collections.Counter()
+        ct.tokenize_messages(tok, [USER, call], chat_template=ext(GOOD_USER_END, calls_outside),
+                             only_last_turn=last_turn, warnings=warnings)
+        assert warnings == {"tool_calls_outside_block": 1}
+    warnings = collections.Counter()
+    ct.tokenize_messages(tok, CONV, chat_template=ext(GOOD_USER_END, GOOD_ASSISTANT), warnings=warnings)
+    assert not warnings  # a good template: nothing to say
+    ct._LOGGED.clear()
+    caplog.clear()
+    rows = [{"messages": CONV}, {"messages": [USER]}, {"messages": CONV}, {"messages": CONV}]
+    ds, drops = ct.tokenize_sft(rows, tok, 512, chat_template=covers, cache_dir="")
+    err = caplog.text
+    assert len(ds) == 3 and drops.warnings == {"block_covers_header": 6}
+    assert err.count("starts where an assistant message starts") == 1  # logged once, not once per row
+    assert "dropped 1 of 4 rows: no_final_assistant: 1 (row 1)" in err
+    assert "warnings: block_covers_header: 6 (rows 0, 2, 3)" in err
 
 
 def test_external_template_errors_drop_the_row(tok):
@@ -586,7 +622,7 @@ def test_cli_list_and_render_exact(tmp_path):
     assert out.stdout.decode() == r(TOOL_CONV, "olmo3-think-release", tools=TOOLS, agp=True)  # no added newline
     assert out.stdout.decode().endswith("<|im_start|>assistant\n<think>")
     listed = subprocess.run([sys.executable, os.path.join(REPO, "chat_template.py"), "list"], capture_output=True)
-    assert listed.returncode == 0 and listed.stdout.decode().split() == list(ct.TEMPLATES)
+    assert listed.returncode == 0 and listed.stdout.decode().split() == list(ct.ALL_TEMPLATES)
 
 
 def test_cli_render_sources_and_bad_input(tmp_path, toy_model_dir, capsys):
@@ -713,3 +749,92 @@ def test_diff_finds_each_planted_difference(exported, tmp_path):
     msgs = write(tmp_path / "m.json", [USER, ANSWER])
     code, text = diff(exported, rel, msgs)
     assert code == 1 and "messages: DIFFERENT" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# open-instruct's original Olmo 3 Think templates, bundled with generation blocks
+# ---------------------------------------------------------------------------------------------
+with open(os.path.join(REPO, "tests", "data", "open_instruct_think_templates.json"), encoding="utf-8") as _f:
+    OPEN_INSTRUCT = json.load(_f)["templates"]  # their definition strings, as facts (source named in the file)
+OI_SYS = {"role": "system", "content": "Be brief."}
+OI_CASES = {
+    "single_turn": ([USER, ANSWER], False),
+    "generation_prompt": ([USER], True),
+    "multi_turn": ([USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "Again?"},
+                    {"role": "assistant", "content": "12!"}], False),
+    "system_message": ([OI_SYS, USER, ANSWER], False),
+    "functions_and_calls": ([{**OI_SYS, "functions": '[{"name": "now"}]'},
+                             {"role": "user", "content": "Time?", "functions": '[{"name": "f"}]'},
+                             {"role": "assistant", "content": "Checking.", "function_calls": "now()"},
+                             {"role": "environment", "content": "12:00"}, {"role": "assistant", "content": "Noon."}],
+                            False),
+    "final_call": ([USER, {"role": "assistant", "content": None, "function_calls": "now()"}], False),
+    "environment_then_prompt": ([USER, {"role": "assistant", "content": "x", "function_calls": "f()"},
+                                 {"role": "environment", "content": "1"}], True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPEN_INSTRUCT))
+@pytest.mark.parametrize("case", sorted(OI_CASES))
+def test_open_instruct_think_templates_render_as_open_instruct(tok, name, case):
+    """Without its generation tags ours renders byte for byte as open-instruct's definition, and its labels are
+    the assistant turns (content, calls and closing token; the generation prompt and headers untrained)."""
+    messages, agp = OI_CASES[case]
+    theirs = tok.apply_chat_template(messages, chat_template=OPEN_INSTRUCT[name], tokenize=False,
+                                     add_generation_prompt=agp)
+    ours = ct.get_template(name)
+    assert ct.has_generation_blocks(ours)
+    assert tok.apply_chat_template(messages, chat_template=strip_blocks(ours), tokenize=False,
+                                   add_generation_prompt=agp) == theirs
+    assert ct.render(messages, name, add_generation_prompt=agp, eos_token=tok.eos_token) == theirs
+    if not agp:
+        out = ct.tokenize_messages(tok, messages, chat_template=name)
+        turns = [m for m in messages if m["role"] == "assistant"]
+        assert trained_spans(tok, out) == [(m.get("content") or "") + (
+            f"<function_calls>{m['function_calls']}</function_calls>" if m.get("function_calls") else "")
+            + ("<|im_end|>" if m is not messages[-1] else EOS) for m in turns]
+
+
+def test_open_instruct_think_templates_by_name_and_their_limits(tok):
+    """`--chat_template_name olmo_thinker` (open-instruct's 7B Think DPO / RL template) is taken by the stage
+    scripts; data the old format cannot hold drops with a reason instead of rendering without it."""
+    import sft
+
+    args = ct.parse_stage_args(sft.Args, sft.UNSUPPORTED_FLAGS, [
+        "--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--chat_template_name", "olmo_thinker"])
+    assert ct.get_template(args.chat_template) == ct.OPEN_INSTRUCT_TEMPLATES["olmo_thinker"]
+    assert ct.render([USER], "olmo_thinker", add_generation_prompt=True).endswith("<|im_start|>assistant\n<think>")
+    with pytest.raises(DroppedRow, match="tool_calls_not_rendered"):
+        ct.tokenize_messages(tok, TOOL_CONV, chat_template="olmo_thinker_no_think_7b")
+    with pytest.raises(DroppedRow, match="tools_not_rendered"):
+        ct.tokenize_prompt(tok, [USER], tools=TOOLS, chat_template="olmo_thinker")
+
+
+def test_diff_takes_hub_ids_from_the_local_cache(exported, tmp_path):
+    """`diff A B` with Hub ids, as the tokenizer notes use it: an id resolves from the Hugging Face cache offline
+    (as from_pretrained does); an id that is neither cached nor downloadable is a clear error naming it."""
+    import shutil
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--allenai--olmo-3-tokenizer-instruct-dev"
+    shutil.copytree(exported, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, os.path.join(REPO, "chat_template.py"), "diff", *argv], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    same = cli("allenai/olmo-3-tokenizer-instruct-dev", exported)
+    assert same.returncode == 0 and "Result: IDENTICAL" in same.stdout, same.stderr
+    assert f"allenai/olmo-3-tokenizer-instruct-dev ({repo / 'snapshots' / commit})" in same.stdout
+    missing = cli("allenai/olmo-3-tokenizer-think-release", exported)
+    assert missing.returncode == 2 and "'allenai/olmo-3-tokenizer-think-release' is not a local directory" in \
+        missing.stderr
+
+
+def test_drop_log_names_the_file_and_line_of_mixture_rows(tok, tmp_path, caplog):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in ([USER, ANSWER], [USER], [USER, ANSWER])))
+    ct.tokenize_sft(ct.load_mixture([str(path), "1.0"]), tok, 512, cache_dir="")
+    assert "no_final_assistant: 1 (row " in caplog.text and f" = {path}:2)" in caplog.text

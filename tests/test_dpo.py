@@ -229,6 +229,60 @@ def test_multi_turn_preference_labels_only_the_final_assistant_turn(toy_model_di
     assert batch["input_ids"].shape[0] == 2
 
 
+def test_terminate_cuts_both_sides_of_a_pair_at_the_same_left_position(toy_model_dir):
+    """over_length_strategy terminate on a pair whose chosen side is too long: both sides lose the same number of
+    prompt tokens from the left, so the answers are compared on one context, tails intact; a pair that could only
+    fit by cutting into an answer is dropped."""
+    import chat_template
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    prompt = [{"role": "user", "content": "Add these numbers: " + " + ".join(str(i) for i in range(30))}]
+    pair = {"chosen": prompt + [{"role": "assistant", "content": "Step by step: " + ", ".join(
+                str(sum(range(i + 1))) for i in range(30)) + ". \\boxed{435}"}],
+            "rejected": prompt + [{"role": "assistant", "content": "\\boxed{400}"}]}
+    full, _ = chat_template.tokenize_preference([pair], tokenizer, max_length=None, cache_dir="")
+    chosen, rejected = full[0]["chosen_input_ids"], full[0]["rejected_input_ids"]
+    answer_len = len(chosen) - full[0]["chosen_labels"].index(next(t for t in full[0]["chosen_labels"] if t != -100))
+    max_length = answer_len + 20  # room for the chosen answer and the prompt's last 20 tokens
+    cut, drops = chat_template.tokenize_preference([pair], tokenizer, max_length=max_length,
+                                                   over_length_strategy="terminate", cache_dir="")
+    assert not drops
+    row = cut[0]
+    assert len(row["chosen_input_ids"]) == max_length
+    removed = len(chosen) - max_length
+    for side, ids in (("chosen", chosen), ("rejected", rejected)):
+        assert row[f"{side}_input_ids"] == ids[removed:]  # the same left cut, the tail as it was
+        assert row[f"{side}_labels"] == full[0][f"{side}_labels"][removed:]
+    context = [row[f"{side}_input_ids"][:row[f"{side}_labels"].index(
+        next(t for t in row[f"{side}_labels"] if t != -100))] for side in ("chosen", "rejected")]
+    assert context[0] == context[1] and len(context[0]) == 20
+    _, drops = chat_template.tokenize_preference([pair], tokenizer, max_length=answer_len - 1,
+                                                 over_length_strategy="terminate", cache_dir="")
+    assert drops["over_length"] == 1
+
+
+def test_a_template_without_generation_blocks_is_said_once_at_start_up(toy_model_dir, tmp_path, monkeypatch, capsys):
+    """dpo.py with a template without {% generation %} blocks: one start-up warning with the rows whose opening
+    <think> prefix labeling masks, and the fix."""
+    import chat_template
+    from transformers import AutoTokenizer
+    monkeypatch.setenv("OLMO3_POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    think = chat_template.TEMPLATES["olmo3-think-dev"]
+    tokenizer.chat_template = think.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    user = {"role": "user", "content": "What is 2+3?"}
+    pairs = [{side: [user, {"role": "assistant", "content": f"<think>{i}</think>\\boxed{{{answer}}}"}]
+              for side, answer in (("chosen", 5), ("rejected", 6))} for i in range(3)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    args = dpo.Args(model_name_or_path="unused", dataset_mixer_list=[str(data), "1.0"], max_seq_length=512,
+                    eval_split_fraction=0.0)
+    pairs_out, _, _, _ = dpo.load_data(args, tokenizer, dpo.World(0, 1, 0, torch.device("cpu")))
+    out = capsys.readouterr().out
+    assert len(pairs_out) == 3 and out.count("has no {% generation %} blocks") == 1
+    assert "3 have the opening <think> of their answer masked" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # The real script on the toy model
 # ---------------------------------------------------------------------------------------------

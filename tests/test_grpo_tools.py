@@ -1,8 +1,8 @@
 """grpo.py's tool episodes: the call parser, the tool runner, the loss mask of appended tokens, the startup check
 of the rows' tools, the template's tokens between turns; then, on real vLLM (marked slow), episodes of a toy model
 that memorized a few tool-using conversations: two calls in one episode trained token for token as sampled,
-a slow tool while another request keeps decoding, failing tools answered and counted, --max_tool_turns, and
-a `python grpo.py` run on rows that offer tools."""
+a slow tool while another request keeps decoding, failing tools answered and counted, --max_tool_turns, a call
+closed by eos, and a `python grpo.py` run on rows that offer tools."""
 
 import json
 import os
@@ -288,6 +288,8 @@ def _conversations() -> dict:
                            ("Two.", [_call("calculator", expression="2+1")], ["3"]),
                            ("Three.", [_call("calculator", expression="3+1")], ["4"]),
                            ("\\boxed{4}", None, None)],
+        # ends in a call: the released templates close it with eos, so the model learns eos after it
+        "Call, then stop.": [("Stopping.", [_call("calculator", expression="1+2")], None)],
     }
     out = {}
     for prompt, turns in episodes.items():
@@ -490,6 +492,22 @@ def test_max_tool_turns_ends_the_episode(episode_actor):
     assert s["tool_turns"] == 2 and s["tool_calls"] == 2 and s["finish_reason"] == "tool_turn_limit"
     assert stats["tool_turn_limit"] == 1 and "calculator(expression=\"3+1\")" in actor.tok.decode(s["response_ids"])
     assert s["answer_start"] == len(s["response_ids"])  # the verifier sees no answer, not the call
+
+
+@pytest.mark.slow
+def test_a_call_closed_by_eos_ends_the_episode(episode_actor):
+    """A call the model closes with eos instead of the hand-off <|im_end|> (what the released templates train on
+    a conversation's final call): no template renders a turn after eos, so the call is not run and the episode
+    ends there with no answer to score, counted as tool_errors_call_closed_by_eos."""
+    actor = episode_actor
+    groups, stats = actor.run_prompts([_prompt(actor.tok, 5, "Call, then stop.", tools=["calculator"])])
+    (s,) = groups[5]["samples"]
+    assert actor.tok.decode(s["response_ids"]) == (
+        'Stopping.<function_calls>calculator(expression="1+2")</function_calls><|endoftext|>')
+    assert s["finish_reason"] == "call_closed_by_eos" and s["tool_calls"] == 0 and s["tool_turns"] == 0
+    assert stats["tool_errors_call_closed_by_eos"] == 1 and stats["tool_calls"] == 0
+    assert s["answer_start"] == len(s["response_ids"]) and s["loss_mask"] == [1] * len(s["response_ids"])
+    assert grpo.tool_metrics([s], stats)["tools/errors_call_closed_by_eos"] == 1
 
 
 @pytest.mark.slow

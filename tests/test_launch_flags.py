@@ -113,7 +113,7 @@ SCRIPTS = {
         ("--use_flash_attn", [], (REFUSED, "sdpa")),
         ("--gradient_checkpointing", [], ("gradient_checkpointing", True)),
         ("--report_to", ["wandb"], ("report_to", "wandb")),
-        ("--chat_template_name", ["olmo_thinker"], (REFUSED, "omit --chat_template")),
+        ("--chat_template_name", ["olmo_thinker"], ("chat_template", "olmo_thinker")),
         ("--with_tracking", [], (REFUSED, "--report_to wandb")),
         ("--eval_workspace", ["usable-olmo"], (REFUSED, "not needed here")),
         ("--eval_priority", ["high"], (REFUSED, "not needed here")),
@@ -169,7 +169,7 @@ SCRIPTS = {
         ("--pack_length", ["35840"], ("pack_length", 35840)),
         ("--model_name_or_path", ["allenai/Olmo-3-7B-Think-DPO"],
          ("model_name_or_path", "allenai/Olmo-3-7B-Think-DPO")),
-        ("--chat_template_name", ["olmo_thinker"], (REFUSED, "omit --chat_template")),
+        ("--chat_template_name", ["olmo_thinker"], ("chat_template", "olmo_thinker")),
         ("--non_stop_penalty", ["False"], SAME),
         ("--mask_truncated_completions", ["False"], SAME),
         ("--temperature", ["1.0"], ("temperature", 1.0)),
@@ -330,8 +330,8 @@ def test_flag_counts_per_script():
                        sum(1 for *_, e in flags if isinstance(e, tuple) and e[0] == REFUSED))
               for (_, script), flags in SCRIPTS.items()}
     assert counts == {"7b_think_sft.sh": (0, 12), "7b_instruct_sft.sh": (0, 12), "finetune.py names": (16, 3),
-                      "7b_think_dpo.sh": (17, 10), "7b_instruct_dpo.sh": (5, 1), "dpo_tune_cache.py names": (7, 2),
-                      "7b_think_rl.sh": (37, 21), "7b_instruct_rl.sh": (33, 17), "grpo_fast.py names": (4, 1)}
+                      "7b_think_dpo.sh": (18, 9), "7b_instruct_dpo.sh": (5, 1), "dpo_tune_cache.py names": (7, 2),
+                      "7b_think_rl.sh": (38, 20), "7b_instruct_rl.sh": (33, 17), "grpo_fast.py names": (4, 1)}
 
 
 def test_no_prefix_matching_and_unknown_flags_fail():

@@ -68,10 +68,6 @@ CASES = {
     "reasoning_content_ignored": ([USER, REASONING], None, False),
     "reasoning_content_with_call_mid_conversation": ([USER, REASONING_CALL, RESULT, REASONING], TOOLS, False),
 }
-# Cases the dev templates render differently (they skip empty calls); think templates render reasoning.
-EMPTY_CALL_CASES = {name for name in CASES if "empty_" in name}
-REASONING_CASES = {name for name in CASES if "reasoning" in name}
-
 
 @pytest.fixture(scope="module")
 def tok(toy_model_dir):
@@ -104,40 +100,36 @@ def test_final_tool_call_trains_eos(tok):
 
 
 def test_dev_and_think_templates_differ_from_release_only_in_system_prompt_and_generation_prompt(tok):
-    """The dev / think variants share the release's turn format: same renders once the system turn is given."""
+    """The notes: release = dev + the identity system prompt, think = instruct + `<think>` in the generation
+    prompt. Every case, empty calls and reasoning_content included, renders the same in all four once the
+    system turn is given; without one, only the system turn differs; with a generation prompt, only it."""
     for name, (messages, tools, agp) in CASES.items():
-        if not messages or messages[0]["role"] != "system" or agp or name in EMPTY_CALL_CASES | REASONING_CASES:
-            continue
-        texts = {name: tok.apply_chat_template(messages, tools=tools, chat_template=ct.TEMPLATES[name], tokenize=False)
-                 for name in ct.TEMPLATES}
-        assert len(set(texts.values())) == 1, texts
+        with_system = messages if messages and messages[0]["role"] == "system" else [SYSTEM, *messages]
+        texts = {t: tok.apply_chat_template(with_system, tools=tools, chat_template=ct.TEMPLATES[t], tokenize=False,
+                                            add_generation_prompt=agp).removesuffix("<think>")
+                 for t in ct.TEMPLATES}
+        assert len(set(texts.values())) == 1, (name, texts)
+        dev = ct.render(messages, "olmo3-instruct-dev", tools=tools, eos_token=tok.eos_token)
+        release = ct.render(messages, "olmo3-instruct-release", tools=tools, eos_token=tok.eos_token)
+        assert dev.replace(ct.DEV_SYSTEM, ct.OLMO_IDENTITY, 1) == release, name
+        assert ct.render(messages, "olmo3-think-dev", tools=tools, eos_token=tok.eos_token) == dev
 
 
-@pytest.mark.parametrize("case", sorted(name for name in CASES if not CASES[name][2] and name not in REASONING_CASES))
+@pytest.mark.parametrize("case", sorted(name for name in CASES if not CASES[name][2]))
 def test_think_release_renders_like_the_released_template(tok, case):
-    """Without a generation prompt or reasoning, olmo3-think-release renders as the release does, empty calls too."""
+    """Without a generation prompt olmo3-think-release renders as the release does, empty calls and reasoning too."""
     messages, tools, _ = CASES[case]
     released = tok.apply_chat_template(messages, tools=tools, chat_template=RELEASED, tokenize=False)
     assert ct.render(messages, "olmo3-think-release", tools=tools, eos_token=tok.eos_token) == released
 
 
-def test_empty_calls_print_in_release_templates_only(tok):
-    for name in ("olmo3-instruct-release", "olmo3-think-release"):
+def test_empty_calls_print_and_reasoning_content_is_ignored_in_all_four(tok):
+    for name in ct.TEMPLATES:
         for message in (EMPTY_LIST, EMPTY_STRING):
             assert ct.render([USER, message], name, eos_token=tok.eos_token).endswith(
                 "x<function_calls></function_calls>" + tok.eos_token)
-    for name in ("olmo3-instruct-dev", "olmo3-think-dev"):
-        for message in (EMPTY_LIST, EMPTY_STRING):
-            assert ct.render([USER, message], name, eos_token=tok.eos_token).endswith("x" + tok.eos_token)
-
-
-def test_reasoning_content_ignored_by_instruct_release_only(tok):
-    for name in ct.TEMPLATES:
         text = ct.render([USER, REASONING], name, eos_token=tok.eos_token)
-        if name == "olmo3-instruct-release":
-            assert "41F, say so." not in text and text.endswith("assistant\nIt is 41F." + tok.eos_token)
-        else:
-            assert text.endswith("assistant\n<think>41F, say so.</think>It is 41F." + tok.eos_token)
+        assert "41F, say so." not in text and text.endswith("assistant\nIt is 41F." + tok.eos_token)
 
 
 def test_reasoning_only_turn_is_a_counted_drop_under_instruct_release(tok):
@@ -151,6 +143,27 @@ def test_reasoning_only_turn_is_a_counted_drop_under_instruct_release(tok):
     with pytest.raises(ct.DroppedRow, match="reasoning_content_not_rendered"):
         ct.tokenize_prompt(tok, [USER, only, USER], chat_template="olmo3-instruct-release")
     ds, drops = ct.tokenize_sft(rows, tok, 512, chat_template="olmo3-think-release", cache_dir="")
-    assert len(ds) == 3 and not drops.warnings
-    trained = [i for i, label in zip(ds[0]["input_ids"], ds[0]["labels"]) if label != -100]
-    assert tok.decode(trained) == "<think>thinking</think>" + tok.eos_token
+    assert len(ds) == 1 and drops["reasoning_content_not_rendered"] == 2  # the think templates too
+
+
+@pytest.mark.parametrize("name", sorted(ct.TEMPLATES))
+def test_handoff_option_closes_every_call_with_im_end(tok, name):
+    """NAME-handoff (the Olmo 3.5 notes' convention): a tool call trains <|im_end|>, an answer eos. It renders as
+    NAME everywhere but a conversation's final call, and such a conversation is a prefix of its continuation."""
+    handoff = name + "-handoff"
+    for case, (messages, tools, agp) in CASES.items():
+        ends_in_call = messages[-1]["role"] == "assistant" and any(
+            messages[-1].get(k) is not None for k in ("tool_calls", "function_calls"))
+        ours = ct.render(messages, handoff, tools=tools, add_generation_prompt=agp, eos_token=tok.eos_token)
+        base = ct.render(messages, name, tools=tools, add_generation_prompt=agp, eos_token=tok.eos_token)
+        if not ends_in_call or agp:
+            assert ours == base, case
+            continue
+        assert ours == base.removesuffix(tok.eos_token) + "<|im_end|>", case
+        continued = ct.render(messages + [RESULT, ANSWER], handoff, tools=tools, eos_token=tok.eos_token)
+        assert continued.startswith(ours + "\n<|im_start|>environment\n"), case
+        out = ct.tokenize_messages(tok, messages, tools=tools, chat_template=handoff)
+        trained = [i for i, label in zip(out["input_ids"], out["labels"]) if label != -100]
+        assert tok.decode(trained).endswith("</function_calls><|im_end|>") and tok.eos_token_id not in trained
+    out = ct.tokenize_messages(tok, [USER, CALL_ONLY, RESULT, ANSWER], tools=TOOLS, chat_template=handoff)
+    assert out["input_ids"][-1] == out["labels"][-1] == tok.eos_token_id  # an answer still trains eos

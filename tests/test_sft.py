@@ -174,6 +174,36 @@ def test_loss_is_normalised_by_trained_tokens_of_the_whole_step(rows_and_example
     torch.testing.assert_close(loss2, 2 * loss1)
 
 
+def test_a_template_without_generation_blocks_is_said_once_with_the_rows_it_affects(tokenizer, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A checkpoint's own template without {% generation %} blocks (prefix labeling): start-up says so once, with
+    the rows whose earlier turns go untrained and whose opening <think> is masked, and the fix."""
+    monkeypatch.setenv("OLMO3_POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    user = {"role": "user", "content": "What is 2+3?"}
+    rows = [[user, {"role": "assistant", "content": "<think>2+3=5</think>\\boxed{5}"}],
+            [user, {"role": "assistant", "content": "<think>a</think>5"}, user,
+             {"role": "assistant", "content": "<think>b</think>5"}],
+            [user, {"role": "assistant", "content": "\\boxed{5}"}]]  # no <think>: not a prefix, dropped
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    args = sft.Args(model_name_or_path="unused", dataset_mixer_list=[str(data), "1.0"], max_seq_length=512)
+    world = sft.World(0, 1, 0, torch.device("cpu"))
+    think = chat_template.TEMPLATES["olmo3-think-dev"]
+    tokenizer.chat_template = think.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    try:
+        examples, drops = sft.load_data(args, tokenizer, world)
+        out = capsys.readouterr().out
+        assert len(examples) == 2 and drops["prompt_not_prefix"] == 1
+        assert out.count("WARNING: the checkpoint's own chat template has no {% generation %} blocks") == 1
+        assert "1 of 3 train only their last" in out and "2 have the opening <think>" in out
+        assert "--chat_template with a bundled template" in out
+        tokenizer.chat_template = think  # annotated: nothing to say
+        sft.load_data(args, tokenizer, world)
+        assert "WARNING" not in capsys.readouterr().out
+    finally:
+        tokenizer.chat_template = chat_template.TEMPLATES["olmo3-instruct-dev"]
+
+
 def test_pack_rows_never_splits_or_overfills():
     lengths = [5, 3, 8, 2, 7, 1]
     rows = sft.pack_rows(lengths, [0, 1, 2, 3, 4, 5], max_seq_length=10, packing=True)
