@@ -841,32 +841,36 @@ def _read(f, limit: int) -> str:
 # A code test is a snippet of statements (`xs = [3, 1]`, `sort_in_place(xs)`, `assert f(2) == 4`). What is judged
 # where is decided from the test's text alone, never from the program's (its imports, names, behaviour):
 # - Each assert at the top level of a test is split at `and` into checks. A check that is a comparison (`==`, `!=`,
-#   `<`, `in`, `is`, chains) with at least one operand that needs nothing of the program (literals, builtins and math
-#   over the test's own values: an "expected" operand) is JUDGED OUTSIDE: the expected operands are evaluated in this
-#   process, the others in the program's process, whole, with Python's own semantics (the program's calls, methods
-#   and operators run where its objects live), and come back as plain data; the comparison is made here.
-# - Every other check (`f(x) == g(x)`, `isinstance(f(1), P)`, `f(2)`, `not f(3)`), an assert that is not a
-#   top-level statement (in a loop, in a helper the test defines) and a test with no assert at all is JUDGED
-#   INSIDE: its truth, or that its statements ran without raising, is the program's process's word, which the
-#   program could forge. It counts like any other test and is counted again in `judged_inside`.
+#   `<`, `is`, `in`, chains) with at least one operand that needs nothing of the program (literals, builtins and
+#   math over the test's own values: an "expected" operand) is JUDGED OUTSIDE: the expected operands are evaluated
+#   in this process, the others in the program's process, whole, with Python's own semantics (the program's calls,
+#   methods and operators run where its objects live), and come back as plain data; the comparison is made here.
+#   `abs(f(x) - 0.3) < 1e-9` and `math.isclose(f(x), 0.3)` send only f(x) there (_tolerance_form).
+# - Every other check (`f(x) == g(x)`, `isinstance(f(1), P)`, `f(2)`, `not f(3)`, `x in obj` where the container
+#   is the program's: its __contains__ answers), an assert that is not a top-level statement (in a loop, in a helper
+#   the test defines), and a test that ends with a statement (that it ran without raising) is JUDGED INSIDE: its
+#   truth is the program's process's word, which the program could forge. Such a test is scored like any other and
+#   counted again in `judged_inside`, so that a user sees the exposure.
 # - A test that does not parse is `unsupported`: not scored (the label's fault, the same for every program).
 # Plain data is None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset and those types themselves,
-# exact types only: a subclass, an instance of the program's classes, numpy, Decimal, a generator is "not plain"
-# and fails the comparison here (counted in `not_plain`; its __eq__ never runs here). Nothing the program's process
-# writes is trusted as a message: a value counts only as what it is (forging the right value is giving the answer),
-# every report carries the test's nonce (lines from an earlier test's processes are refused), and the test is over
-# only when the harness says so on a pipe the program's processes cannot reach (closed in them; the harness is not
-# dumpable, so its /proc/<pid>/fd and ptrace are out of their reach whatever Yama allows). Expected operands never
-# enter the program's process; a value the test keeps in a variable goes there only when a step there reads it.
-# In the program's process, the builtins and math that the test's text names are Python's own, taken before the
-# program ran (`def abs` or `math.isclose = ...` in the program change nothing the test computes).
-# Each test runs in a fresh process forked from a harness that never ran the program's code, with a fresh /tmp
-# and /dev/shm (the harness empties them, and kills what the test left, before the next test).
-# Cost here (the caller's): a report is at most _MAX_BYTES bytes as it travels (UTF-8 JSON, counted by the harness
-# before it sends and again here), at most _MAX_NODES values, a response at most _MAX_RUN_BYTES; past them the
-# test fails as `too_large`, counted, and the channel stays usable. Decoding is linear in those bytes (ints in hex;
-# no Fraction, no arithmetic: only comparisons run here, each linear in its operands); a set or dict whose items
-# share one hash more than _MAX_SAME_HASH times with distinct values (building it is quadratic) is too_large.
+# exact types only: a subclass, an instance of the program's classes, numpy, Decimal, range, a generator, a value
+# that contains itself is "not plain" and equal to nothing here (its __eq__ never runs here; counted in
+# `not_plain`). Nothing the program's process writes is trusted as a message: a value counts only as what it is
+# (forging the right value is giving the answer), every report carries the test's nonce (lines from an earlier
+# test's processes are refused), and a test is over only when the harness says so on a pipe the program's processes
+# cannot reach (closed in them; the harness is not dumpable, so its /proc/<pid>/fd and ptrace are out of their
+# reach whatever Yama allows). Expected operands never enter the program's process; a value the test keeps in a
+# variable goes there only when a step there reads it, and once one has, every list the test made is read there
+# (`ys = xs` may alias it). The builtins and modules the test's text names are, there, Python's own, taken before
+# the program ran (`def abs`, `math.isclose = ...` in the program change nothing the test computes).
+# Each test runs in a fresh process forked from a harness that never ran the program's code, as module __main__,
+# with a fresh /tmp and /dev/shm (the harness kills what the test left and empties them before the next test).
+# Cost here (the caller's): a report is at most _MAX_BYTES bytes as it travels (UTF-8 JSON, measured by the harness
+# before it sends and again here) and _MAX_NODES values; a response at most _MAX_RUN_BYTES and _MAX_RUN_NODES;
+# past them the test fails as `too_large`, counted, and the channel stays usable. Decoding is linear in those
+# (ints in hex; no Fraction, no arithmetic but the tolerance forms' one subtraction: only comparisons run here, each
+# linear in its operands); a set or dict with more than _MAX_SAME_HASH distinct items of one hash (building it is
+# quadratic) is too_large.
 _MAX_NODES, _MAX_BYTES, _MAX_DEPTH = 1_000_000, 8 << 20, 400
 _MAX_RUN_BYTES, _MAX_RUN_NODES = 24 << 20, 1_000_000
 _MAX_SAME_HASH = 8
@@ -914,7 +918,10 @@ def receive():
         if not byte:
             os._exit(0)
         line += byte
-    return json.loads(line)
+    try:
+        return json.loads(line)
+    except ValueError:  # the rest of a line a killed test's process had begun to read
+        return [None, None, []]
 
 
 def dump(message):
@@ -1028,7 +1035,7 @@ def run_test(nonce):
         pass
     while True:
         kind, code, pre = receive()
-        if kind == "end":
+        if kind not in ("exec", "eval"):
             return
         try:
             for source in pre:

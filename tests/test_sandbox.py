@@ -913,23 +913,32 @@ COSTLY = {  # name: (program, tests): each the caller's work, all refused (score
                                  ["assert len(set(f(1))) == 1", "assert {*f(1)} == {1}"]),
     "power_of_three": ("def f(x):\n    return 3 if x == 1 else 9999999\n", ["assert f(1) ** f(2) * f(1) ** f(2) == 0"]),
     "product_of_two_big_ints": ("def f(x):\n    return 7 ** 3000000\n", ["assert f(1) * f(2) == 0",
-                                                                         "assert f(1) % (f(2) // 3) == 1"]),
+                                                                         "assert f(1) % (f(2) // 3) == 2"]),
     "format_width": ("def f(x):\n    return 10 ** 9\n",
                      ["assert f'{f(1):>{f(2)}}' == 'x'", "assert '%*d' % (f(1), 1) == 'x'"]),
     "sum_of_lists": ("def f(x):\n    return [[0]] * 200000\n", ["assert sum(f(1), []) == []"]),
     "repeat_a_big_list": ("def f(x):\n    return list(range(400000))\n", ["assert [f(1)] * 30000 == [f(2)] * 30000"]),
     "replace_blowup": ("def f(x):\n    return 'a' * 1000000 if x == 1 else 'b' * 1000000\n",
                        ["assert f(1).replace('', f(2)) == 'x'"]),
+    # round 4: a Fraction with huge unreduced parts (its constructor's gcd), 170,000 Fractions (summed here before)
+    "fraction_unreduced": ("from fractions import Fraction\ndef f(x):\n    q = Fraction(1, 3)\n"
+                           "    q._numerator, q._denominator = 3 ** 200000 * 7, 3 ** 200000 * 11\n    return q\n",
+                           ["assert f(1) == 0", "assert f(2) * 3 == 0"]),
+    "many_fractions": ("from fractions import Fraction\ndef f(x):\n    return [Fraction(1, k) for k in range(1, 170000)]\n",
+                       ["assert f(1) == []"]),
+    "set_of_tuples": ("def f(x):\n    return {(i, x) for i in range(330000)}\n", ["assert f(1) == set()"]),
 }
 
 
 @pytest.mark.parametrize("user", ["root", "unprivileged"])
 def test_judging_costs_the_caller_a_bounded_time_and_memory(unprivileged, user):
     """Red-team findings: values built so that judging them cost the caller 55-131 s of CPU for one response
-    (a product of many small factors, collisions tuned to the hash check, a power the guard undercounted).
+    (a product of many small factors, collisions tuned to the hash check, a power the guard undercounted), and in
+    round 4 about 70 s (a Fraction with huge unreduced parts, 170,000 Fractions). The program's arithmetic is now
+    its own (computed where it runs, within its timeout); the caller only decodes and compares plain data.
     The caller's CPU time and peak memory for each, measured in a fresh process."""
     prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
-    out = _drive(prefix, {name: program for name, (program, _) in COSTLY.items()}, tests=[], code_timeout=10,
+    out = _drive(prefix, {name: program for name, (program, _) in COSTLY.items()}, tests=[], code_timeout=4,
                  code_memory_mb=1024, per_program_tests={name: tests for name, (_, tests) in COSTLY.items()})
     for name in COSTLY:
         r = out[name]
