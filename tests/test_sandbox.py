@@ -925,7 +925,7 @@ COSTLY = {  # name: (program, tests): each the caller's work, all refused (score
                            "    q._numerator, q._denominator = 3 ** 200000 * 7, 3 ** 200000 * 11\n    return q\n",
                            ["assert f(1) == 0", "assert f(2) * 3 == 0"]),
     "many_fractions": ("from fractions import Fraction\ndef f(x):\n    return [Fraction(1, k) for k in range(1, 170000)]\n",
-                       ["assert f(1) == []"]),
+                       ["assert sum(f(1)) == 0", "assert f(1) == []"]),
     "set_of_tuples": ("def f(x):\n    return {(i, x) for i in range(330000)}\n", ["assert f(1) == set()"]),
 }
 
