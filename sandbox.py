@@ -845,7 +845,8 @@ def _read(f, limit: int) -> str:
 #   math over the test's own values: an "expected" operand) is JUDGED OUTSIDE: the expected operands are evaluated
 #   in this process, the others in the program's process, whole, with Python's own semantics (the program's calls,
 #   methods and operators run where its objects live), and come back as plain data; the comparison is made here.
-#   `abs(f(x) - 0.3) < 1e-9` and `math.isclose(f(x), 0.3)` send only f(x) there (_tolerance_form).
+#   `abs(f(x) - 0.3) < 1e-9` and `math.isclose(f(x), 0.3)` send only f(x) there (_tolerance_form), and
+#   `all(f(x) == 2 * x for x in <the test's values>)` sends only [f(x) for x in ...] (_each_form).
 # - Every other check (`f(x) == g(x)`, `isinstance(f(1), P)`, `f(2)`, `not f(3)`, `x in obj` where the container
 #   is the program's: its __contains__ answers), an assert that is not a top-level statement (in a loop, in a helper
 #   the test defines), and a test that ends with a statement (that it ran without raising) is JUDGED INSIDE: its
@@ -1299,10 +1300,37 @@ def _clean_imports(stmt: ast.stmt) -> list[ast.stmt] | None:
 _MUTABLE_NODES = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Call)
 
 
-def _tolerance_form(conj: ast.expr, names: set[str]) -> tuple[ast.expr, Any] | None:
+def _each_form(conj: ast.expr, names: set[str]) -> tuple[str, str, Any, bool] | None:
+    """`all(<a> <op> <b> for <x> in <the test's values>)` (or over a list comprehension), one of a, b expected-only:
+    (the source of [the program's side for each x], to run there; op; [the expected side for each x], compiled for
+    here; whether the program's side is on the left). None for any other shape."""
+    if not (isinstance(conj, ast.Call) and isinstance(conj.func, ast.Name) and conj.func.id == "all" and
+            len(conj.args) == 1 and not conj.keywords and isinstance(conj.args[0], (ast.GeneratorExp, ast.ListComp))):
+        return None
+    comp = conj.args[0]
+    if len(comp.generators) != 1 or comp.generators[0].ifs or comp.generators[0].is_async or not (
+            isinstance(comp.elt, ast.Compare) and len(comp.elt.ops) == 1):
+        return None
+    gen = comp.generators[0]
+    if not _expected_only(gen.iter, names):
+        return None
+    inner = names | {n.id for n in ast.walk(gen.target) if isinstance(n, ast.Name)}
+    sides = [comp.elt.left, comp.elt.comparators[0]]
+    expected = [_expected_only(side, inner) for side in sides]
+    if expected.count(True) != 1:
+        return None
+    program, wanted = (sides[0], sides[1]) if expected[1] else (sides[1], sides[0])
+    target, iterable = ast.unparse(gen.target), ast.unparse(gen.iter)
+    here = ast.parse(f"[{ast.unparse(wanted)} for {target} in {iterable}]", mode="eval")
+    return (f"[{ast.unparse(program)} for {target} in {iterable}]", type(comp.elt.ops[0]).__name__,
+            compile(here, "<test>", "eval"), expected[1])
+
+
+def _tolerance_form(conj: ast.expr, names: set[str], iscloses: set[str]) -> tuple[ast.expr, Any] | None:
     """A float check whose expected value sits inside a call (`abs(f(x) - 0.3) < 1e-9`, `math.isclose(f(x), 0.3,
-    rel_tol=...)`): (the program's operand, the check compiled with `_v` in its place), so that only f(x) is computed
-    there and the expected value never goes there. None for any other shape."""
+    rel_tol=...)`, `isclose(..)` after `from math import isclose`: `iscloses` names it): (the program's operand, the
+    check compiled with `_v` in its place), so that only f(x) is computed there and the expected value never goes
+    there. None for any other shape."""
     def split(parts: list[ast.expr]) -> int | None:  # the one part that is not expected-only
         there = [i for i, p in enumerate(parts) if not _expected_only(p, names)]
         return there[0] if len(there) == 1 else None
@@ -1312,8 +1340,10 @@ def _tolerance_form(conj: ast.expr, names: set[str]) -> tuple[ast.expr, Any] | N
             isinstance(conj.left.func, ast.Name) and conj.left.func.id == "abs" and len(conj.left.args) == 1 and \
             isinstance(conj.left.args[0], ast.BinOp) and isinstance(conj.left.args[0].op, ast.Sub):
         parts, setter = [conj.left.args[0].left, conj.left.args[0].right], "left right".split()
-    elif isinstance(conj, ast.Call) and isinstance(conj.func, ast.Attribute) and conj.func.attr == "isclose" and \
-            isinstance(conj.func.value, ast.Name) and conj.func.value.id == "math" and "math" in names and \
+    elif isinstance(conj, ast.Call) and (isinstance(conj.func, ast.Attribute) and conj.func.attr == "isclose" and
+                                         isinstance(conj.func.value, ast.Name) and conj.func.value.id == "math" and
+                                         "math" in names or isinstance(conj.func, ast.Name) and
+                                         conj.func.id in names & iscloses) and \
             len(conj.args) == 2 and all(_expected_only(k.value, names) for k in conj.keywords):
         parts, setter = conj.args, None
     else:
@@ -1347,6 +1377,7 @@ def _plan_test(test: str) -> tuple[list, list, bool] | None:
         return None
     names = set(_LOCAL_CALLS) | {"math"}  # whose values this process holds
     steps, here, sets, set_here, inside = [], [], {}, set(), False
+    iscloses = set()  # names the test gave math.isclose (`from math import isclose`)
     body = []
     for stmt, text in zip(tree.body, source):
         rewritten = _clean_imports(stmt)
@@ -1355,7 +1386,15 @@ def _plan_test(test: str) -> tuple[list, list, bool] | None:
         if isinstance(stmt, ast.Assert):
             leaves, checks = [], []
             for conj in _conjuncts(stmt.test):
-                tolerance = _tolerance_form(conj, names)
+                each = _each_form(conj, names)
+                if each is not None:  # `all(f(x) == 2 * x for x in [1, 2])`: [f(x) for x in [1, 2]] there only
+                    program_side, op, expected, program_first = each
+                    leaves.append(program_side)
+                    checks.append(("each", op, len(leaves) - 1, expected, program_first))
+                    if set_here & _names_in([conj]):
+                        names -= set_here
+                    continue
+                tolerance = _tolerance_form(conj, names, iscloses)
                 if tolerance is not None:  # `abs(f(x) - 0.3) < 1e-9`, `math.isclose(f(x), 0.3)`: f(x) there only
                     operand, check = tolerance
                     leaves.append(ast.unparse(operand))
@@ -1396,6 +1435,10 @@ def _plan_test(test: str) -> tuple[list, list, bool] | None:
         simple = isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
         if simple and _expected_only(stmt.value, names):
             name = stmt.targets[0].id
+            if ast.unparse(stmt.value) == "math.isclose":
+                iscloses.add(name)
+            else:
+                iscloses.discard(name)
             here.append(("set", compile(ast.Module([stmt], []), "<test>", "exec")))
             names.add(name)
             set_here.discard(name)
@@ -1453,6 +1496,17 @@ def _judge(checks: list, values: list, namespace: dict) -> str:
                     return "not_plain" if isinstance(value, _NotPlain) else "fail"
                 if eval(check[1], {**namespace, "_v": value}) is not True:
                     return "fail"
+                continue
+            if check[0] == "each":  # _each_form: the program's side for each item, against the expected side's
+                _, op, k, code, program_first = check
+                got, wanted = values[k], eval(code, namespace)
+                if isinstance(got, _Raised):
+                    raise got
+                if type(got) is not list or len(got) != len(wanted):
+                    return "not_plain" if isinstance(got, _NotPlain) else "fail"
+                for a, b in zip(got, wanted) if program_first else zip(wanted, got):
+                    if _COMPARE[op](a, b) is not True:
+                        return "not_plain" if isinstance(a if program_first else b, _NotPlain) else "fail"
                 continue
             if check[0] == "inside":
                 value = values[check[1]]

@@ -678,7 +678,8 @@ REPORT_ANYTHING = "import sys\nsys.modules['__main__']._enc = lambda v, depth=0:
 
 @needs_sandbox
 @pytest.mark.parametrize("program, tests", [
-    # a comparison evaluated where the program runs (a generator): judged inside, its verdict is still the truth
+    # a comparison in a comprehension over the test's values: the program's side is computed there, the rest here
+    (YES_F, ["assert all([f(x) == 2 * x for x in [1, 2, 3]])", "assert all(2 * x == f(x) for x in [1, 2, 3])"]),
     (WRONG_F + REPORT_ANYTHING.format("['l', []]"), ["assert all(f(x) == 2 * x for x in [1, 2, 3])"]),
     # an expected value built there (an imported class): both sides are the program's to report
     (WRONG_F + REPORT_ANYTHING.format("['n']"), ["from fractions import Fraction\nassert f(1) == Fraction(1, 2)"]),
@@ -707,10 +708,11 @@ def test_what_only_the_programs_process_can_decide_is_counted_as_judged_inside()
     """A check with no expected operand (a comparison inside a comprehension, a helper the test defines, a dunder
     called by hand) is the program's word: a forging program passes it, as under plain Python, and the count of
     such tests shows the exposure. The count follows the test's text, whatever the program does."""
-    inside = ["assert all([f(x) == 2 * x for x in [1, 2, 3]])", "def same(a, b):\n    return a == b\nassert same(f(2), 4)",
+    inside = ["assert any(f(x) == 2 * x for x in [1, 2, 3])", "def same(a, b):\n    return a == b\nassert same(f(2), 4)",
               "assert f(2).__eq__(4)"]
     for program in (YES_F, GOOD_F, WRONG_F, "import os\nos._exit(0)"):
-        r = verify("code", py(program), inside + ["assert f(2) == 4"], code_timeout=5)
+        r = verify("code", py(program), inside + ["assert f(2) == 4", "assert all(f(x) == 2 * x for x in [1, 2])"],
+                   code_timeout=5)
         assert (r.details["judged_inside"], r.details["unsupported"]) == (3, 0), r.details
     assert verify("code", py(YES_F), inside, code_timeout=5).score == 1.0
 
@@ -723,7 +725,7 @@ def test_those_shapes_still_judge_a_right_program():
              "result = f(5)\nassert result == 10", "assert ord(chr(f(40))) == 80"]
     program = "import math\ndef abs(x):\n    return -1\n" + GOOD_F  # its own abs is no help, and no harm
     r = verify("code", py(program), tests, code_timeout=5)
-    assert (r.score, r.details["unsupported"], r.details["judged_inside"]) == (1.0, 0, 1), r.details  # isclose(..)
+    assert (r.score, r.details["unsupported"], r.details["judged_inside"]) == (1.0, 0, 0), r.details
     # the test's input reaches the sandbox, its expected value does not
     assert S._plan_test("x = 3\nwant = 6\nassert f(x) == want")[0] == [
         ["exec", "pass", []], ["exec", "pass", []], ["eval", ["f(x)"], ["x = 3"]]]
