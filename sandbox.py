@@ -763,8 +763,9 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
     program's behaviour. With `converse`, its last three arguments are the numbers of a pipe it reads requests
     from, one it writes reports to and one for its control messages, and `converse(request_fd, report_fd,
-    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|
-    output_limit|sandbox_error, "stdout", "stderr", "seconds", "conversation"}."""
+    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns.
+    Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit|sandbox_error, "stdout", "stderr", "seconds",
+    "conversation"}."""
     mode = mode or _sandbox_mode()
     # Named after this process, so that whoever kills it (the pool) can remove what it leaves.
     workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_")

@@ -708,7 +708,8 @@ def test_what_only_the_programs_process_can_decide_is_counted_as_judged_inside()
     """A check with no expected operand (a comparison inside a comprehension, a helper the test defines, a dunder
     called by hand) is the program's word: a forging program passes it, as under plain Python, and the count of
     such tests shows the exposure. The count follows the test's text, whatever the program does."""
-    inside = ["assert any(f(x) == 2 * x for x in [1, 2, 3])", "def same(a, b):\n    return a == b\nassert same(f(2), 4)",
+    inside = ["assert any(f(x) == 2 * x for x in [1, 2, 3])", "def same(a, b):\n    return a == b\n"
+              "assert same(f(2), 4)",
               "assert f(2).__eq__(4)"]
     for program in (YES_F, GOOD_F, WRONG_F, "import os\nos._exit(0)"):
         r = verify("code", py(program), inside + ["assert f(2) == 4", "assert all(f(x) == 2 * x for x in [1, 2])"],
@@ -926,7 +927,8 @@ COSTLY = {  # name: (program, tests): each the caller's work, all refused (score
     "fraction_unreduced": ("from fractions import Fraction\ndef f(x):\n    q = Fraction(1, 3)\n"
                            "    q._numerator, q._denominator = 3 ** 200000 * 7, 3 ** 200000 * 11\n    return q\n",
                            ["assert f(1) == 0", "assert f(2) * 3 == 0"]),
-    "many_fractions": ("from fractions import Fraction\ndef f(x):\n    return [Fraction(1, k) for k in range(1, 170000)]\n",
+    "many_fractions": ("from fractions import Fraction\ndef f(x):\n"
+    "    return [Fraction(1, k) for k in range(1, 170000)]\n",
                        ["assert sum(f(1)) == 0", "assert f(1) == []"]),
     "set_of_tuples": ("def f(x):\n    return {(i, x) for i in range(330000)}\n", ["assert f(1) == set()"]),
 }
@@ -965,19 +967,28 @@ SUBCLASS_STATE = ("from collections import deque\nfrom decimal import Decimal\nc
                   "class Dec(Decimal):\n    pass\ndef f(x):\n    return D([x])\ndef g(x):\n    return Dec(x)\n")
 TMP_MEMO = ("def encode(s):\n    with open('/tmp/memo', 'w') as f:\n        f.write(s)\n    return s[::-1]\n"
             "def decode(s):\n    return open('/tmp/memo').read()\n")
-LRU = ("from collections import OrderedDict\nclass LRUCache:\n    def __init__(self, n):\n        self.n, self.d = n, OrderedDict()\n"
-       "    def get(self, k):\n        if k not in self.d:\n            return -1\n        self.d.move_to_end(k)\n        return self.d[k]\n"
-       "    def put(self, k, v):\n        self.d[k] = v\n        self.d.move_to_end(k)\n        if len(self.d) > self.n:\n"
-       "            self.d.popitem(last=False)\n    def copy(self):\n        c = LRUCache(self.n)\n        c.d = OrderedDict(self.d)\n"
+LRU = ("from collections import OrderedDict\nclass LRUCache:\n    def __init__(self, n):\n"
+       "        self.n, self.d = n, OrderedDict()\n"
+       "    def get(self, k):\n        if k not in self.d:\n            return -1\n        self.d.move_to_end(k)\n"
+       "        return self.d[k]\n"
+       "    def put(self, k, v):\n        self.d[k] = v\n        self.d.move_to_end(k)\n"
+       "        if len(self.d) > self.n:\n"
+       "            self.d.popitem(last=False)\n    def copy(self):\n        c = LRUCache(self.n)\n"
+       "        c.d = OrderedDict(self.d)\n"
        "        return c\n")
 VECTOR = ("class V:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n    def __add__(self, o):\n"
-          "        return V(self.x + o.x, self.y + o.y)\n    def __eq__(self, o):\n        return (self.x, self.y) == (o.x, o.y)\n"
+          "        return V(self.x + o.x, self.y + o.y)\n    def __eq__(self, o):\n"
+          "        return (self.x, self.y) == (o.x, o.y)\n"
           "    def __lt__(self, o):\n        return (self.x, self.y) < (o.x, o.y)\n    def __abs__(self):\n"
-          "        return (self.x ** 2 + self.y ** 2) ** 0.5\n    def __getitem__(self, i):\n        return (self.x, self.y)[i]\n"
-          "    def __contains__(self, v):\n        return v in (self.x, self.y)\n    def __bool__(self):\n        return bool(self.x or self.y)\n")
+          "        return (self.x ** 2 + self.y ** 2) ** 0.5\n    def __getitem__(self, i):\n"
+          "        return (self.x, self.y)[i]\n"
+          "    def __contains__(self, v):\n        return v in (self.x, self.y)\n    def __bool__(self):\n"
+          "        return bool(self.x or self.y)\n")
 DLL = ("class Node:\n    def __init__(self, v):\n        self.v, self.prev, self.next = v, None, None\n"
-       "def chain(n):\n    head = cur = Node(0)\n    for i in range(1, n):\n        cur.next = Node(i)\n        cur.next.prev = cur\n"
-       "        cur = cur.next\n    return head\ndef nested(d):\n    x = []\n    for _ in range(d):\n        x = [x]\n    return x\n"
+       "def chain(n):\n    head = cur = Node(0)\n    for i in range(1, n):\n        cur.next = Node(i)\n"
+       "        cur.next.prev = cur\n"
+       "        cur = cur.next\n    return head\ndef nested(d):\n    x = []\n    for _ in range(d):\n"
+       "        x = [x]\n    return x\n"
        "def loop():\n    a = [1]\n    a.append(a)\n    return a\n")
 POOL = ("from multiprocessing import Pool\ndef sq(x):\n    return x * x\ndef f(xs):\n    with Pool(2) as p:\n"
         "        return p.map(sq, xs)\n")
@@ -986,7 +997,8 @@ CONTRACT_CASES = {
     "writes_the_protocol": (FORGE_PROTOCOL, ["assert f(1) == 2\ng(1)"], 0.0),
     "subclass_of_c_type_state": (SUBCLASS_STATE, ["assert f(2) == D([4])", "assert g(2) == Dec(4)"], 0.0),
     "imports_the_tested_name": ("from operator import neg as f\n", ["assert f(1) == 2", "assert f(2) == 4"], 0.0),
-    "shadows_a_builtin": ("sorted = sorted\ndef f(xs):\n    return xs\n", ["assert f(sorted([3, 1, 2])) == [3, 2, 1]"], 0.0),
+    "shadows_a_builtin": ("sorted = sorted\ndef f(xs):\n    return xs\n"
+    "", ["assert f(sorted([3, 1, 2])) == [3, 2, 1]"], 0.0),
     "shared_tmp": (TMP_MEMO, ["assert encode('hello') == 'olleh'", "assert decode('olleh') == 'hello'"], 0.5),
     "stale_alias": ("def sorted_copy(a):\n    a.sort()\n    return a\n",
                     ["xs = [3, 1, 2]\nys = xs\nassert sorted_copy(ys) == [1, 2, 3] and xs == [3, 1, 2]"], 0.0),
@@ -995,21 +1007,27 @@ CONTRACT_CASES = {
     "patched_math": ("import math\nmath.factorial = lambda n: 0\ndef f(n):\n    return 0\n",
                      ["import math\nassert f(5) == math.factorial(5)"], 0.0),
     # correct programs scored below 1 on b006eb3
-    "methods_named_like_builtins": (LRU, ["c = LRUCache(2)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == 1\nc.put(3, 3)\n"
-                                          "assert c.get(2) == -1", "c = LRUCache(1)\nc.put(1, 5)\nassert c.copy().get(1) == 5"],
+    "methods_named_like_builtins": (LRU, ["c = LRUCache(2)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == 1\n"
+    "c.put(3, 3)\n"
+                                          "assert c.get(2) == -1", "c = LRUCache(1)\nc.put(1, 5)\n"
+                                          "assert c.copy().get(1) == 5"],
                                     1.0),
     "operators_on_own_objects": (VECTOR, ["assert V(1, 2) + V(3, 4) == V(4, 6)", "assert abs(V(3, 4)) == 5",
                                           "assert V(1, 2) < V(2, 0)", "assert V(1, 2)[1] == 2 and 2 in V(1, 2)",
-                                          "assert not V(0, 0)", "assert sorted([V(2, 1), V(1, 2)]) == [V(1, 2), V(2, 1)]",
+                                          "assert not V(0, 0)",
+                                          "assert sorted([V(2, 1), V(1, 2)]) == [V(1, 2), V(2, 1)]",
                                           "v = V(1, 2)\nassert v is v"], 1.0),
     "builtin_types_in_checks": ("def f():\n    return {'a': 1}\n",
-                                ["assert isinstance(f(), dict)", "assert type(f()) == dict", "assert type(f()) is dict"],
+                                ["assert isinstance(f(), dict)", "assert type(f()) == dict",
+                                 "assert type(f()) is dict"],
                                 1.0),
     "repeated_equal_items": ("def f(x):\n    return [x] * 20\ndef g():\n    return [('a', 1)] * 20\n",
-                             ["assert set(f(1)) == {1}", "assert dict(g()) == {'a': 1}", "assert f(1) == [1] * 20"], 1.0),
+                             ["assert set(f(1)) == {1}", "assert dict(g()) == {'a': 1}",
+                              "assert f(1) == [1] * 20"], 1.0),
     "deep_or_cyclic": (DLL, ["h = chain(3)\nassert h.next.prev is h", "assert str(nested(300)).count('[') == 301",
                              "assert nested(300) != []", "assert loop() is not None"], 1.0),
-    "large_legal_values": ("def s():\n    return 'é' * 1500000\ndef fl():\n    return [i / 7 for i in range(400000)]\n",
+    "large_legal_values": ("def s():\n    return 'é' * 1500000\n"
+                           "def fl():\n    return [i / 7 for i in range(400000)]\n",
                            ["assert s() == 'é' * 1500000", "assert fl() == [i / 7 for i in range(400000)]",
                             "assert len(s()) == 1500000"], 1.0),
 }
@@ -1062,10 +1080,12 @@ INODES = ("import os\ndef files(d):\n    n = 0\n    try:\n        while n < 4000
 TRACE = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
          "def trace(pid):\n    if libc.ptrace(0x4206, pid, 0, 0) == 0:  # PTRACE_SEIZE\n        return 'traced'\n"
          "    return os.strerror(ctypes.get_errno())\n"
-         "def fds(pid):\n    try:\n        return len(os.listdir(f'/proc/{pid}/fd'))\n    except OSError:\n        return -1\n")
+         "def fds(pid):\n    try:\n        return len(os.listdir(f'/proc/{pid}/fd'))\n    except OSError:\n"
+         "        return -1\n")
 ISOLATION_CASES = {
     "syscalls_refused": (SYSCALLS, [f"assert refused({n!r})" for n in
-                                    ("perf_event_open", "fanotify_init", "userfaultfd", "io_setup", "inotify_init1")], 1.0),
+                                    ("perf_event_open", "fanotify_init", "userfaultfd", "io_setup",
+                                     "inotify_init1")], 1.0),
     "tmpfs_inodes_bounded": (INODES, ["assert files('/tmp') <= 16384", "assert files('/dev/shm') <= 1024"], 1.0),
     "harness_not_traceable": (TRACE, ["assert trace(os.getppid()) != 'traced' and fds(os.getppid()) == -1"], 1.0),
 }
