@@ -11,37 +11,27 @@ namespace's init, so everything it starts (setsid, double forks) dies with it at
 the caller when the caller is killed; what a killed pool worker leaves on disk is removed by the pool
 (`cleanup_sandboxes`). A cgroup per run (where one can be made: root, or a delegated v2 subtree) bounds the memory
 (tmpfs included) and processes of the whole sandbox to `memory_mb` and 64; without one, 4 processes of a quarter
-of the budget each (an address-space limit). In every mode a seccomp filter makes the calls that hold memory no
-address-space limit counts (memfd, sockets, SysV / POSIX shared memory and message queues, io_uring,
-F_SETPIPE_SZ) fail with EPERM (`_SECCOMP`). With no usable namespaces (mode "none") the code verifiers refuse to
+of the budget each (an address-space limit); its tmpfs mounts have inode limits. In every mode a seccomp filter
+makes the calls that hold memory no address-space limit counts (memfd, sockets, SysV / POSIX shared memory and
+message queues, io_uring, AIO, inotify, fanotify, userfaultfd, F_SETPIPE_SZ) and perf_event_open fail with EPERM
+(`_SECCOMP`). With no usable namespaces (mode "none") the code verifiers refuse to
 run unless `allow_unsandboxed_code`; then the program runs as the caller, unisolated, below a launcher that is a
 child subreaper and kills everything below it when the program ends, times out or the caller dies (setsid and
 double forks included; running as the caller, a hostile program can still kill the launcher, or the caller).
 `sandbox_description()` says which mode this machine gets.
 
-Verdicts (`judge_asserts`). The sandbox only reports the values of the parts of each assert that need the
-program (`f(2)` of `assert f(2) == 4`) and this process compares them with the real builtins and math, so
-exiting early, forging output, patching builtins or `__eq__` cannot pass a test. Nothing the judge needs is in
-the program's process before its own calls have returned: this process sends one step at a time, each test runs
-in a process of its own forked from a harness that never ran the program's code, and a test's expected values go
-there only right before a later step that reads them. Every step that raises fails its test; values are read
-after the assert's calls returned, from a copy of the process with no thread of the program's; a test's list the
-program was given is judged as the program left it (an in-place contract). Values travel as data (ints of any
-size in hex, containers, Fractions, numpy values, the program's own classes as their attributes), at most
-_MAX_BYTES / _MAX_NODES per assert: past it a counted `too_large` failure. What judging them may cost this
-process is bounded before each operation starts (see the rule at _MAX_NODES). Tests that cannot be judged that
-way, because their asserts are not top-level statements (inside a loop or a function) or because a verdict would
-need a value that is not the program's answer computed in the sandbox (a comparison inside a comprehension, a
-helper the test defines, an expected value built with an imported class), are not judged: "unsupported" counts
-them. For stdio tests (`run_stdio_tests`) this process compares stdout token by token, all of it up to the
-16 MB file-size limit (past it: status "output_limit", counted).
+Verdicts (`judge_asserts`): the contract is written where the checks are ("verdicts" below). In short: what a
+test's text gives as the expected value is computed here; what needs the program is computed in the program's
+process, whole, with Python's semantics, and comes back as plain data (exact builtin types; anything else is "not
+plain" and equal to nothing here); the comparison is made here. A check with no expected operand is judged inside
+the program's process and counted ("judged_inside"). Which is which follows the test's text alone. Each test runs
+in a fresh process, with a fresh /tmp, forked from a harness that never ran the program's code and that the
+program can neither trace nor impersonate. For stdio tests (`run_stdio_tests`) this process compares stdout token
+by token, all of it up to the 16 MB file-size limit (past it: status "output_limit", counted).
 """
 
 import ast
-import builtins
 import collections
-import dataclasses
-import fractions
 import itertools
 import json
 import logging
@@ -58,7 +48,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from typing import Any, Callable
 
 logger = logging.getLogger("verifiers")
@@ -72,6 +61,7 @@ _FSIZE = 16 << 20  # bytes a program may write to one file (its stdout included)
 _NPROC = 64  # processes + threads of one sandbox whose memory a cgroup bounds together
 _NPROC_NO_CGROUP = 4  # without a cgroup each process may use 1/4 of the budget, so that 4 fill it
 _TMP_MB, _SHM_MB = 64, 16  # its /tmp (the work directory) and /dev/shm: tmpfs, part of the memory budget
+_TMP_INODES, _SHM_INODES = 16384, 1024  # files and dirs on each: ~1 KB of kernel memory each outside a cgroup
 _RUN_PREFIX = "verifiers_run_"  # host work dirs and cgroups: <prefix><pid>_..., removed once pid is gone
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 _MODES = {
@@ -90,18 +80,25 @@ _MODES = {
 # (pinned buffers), F_SETPIPE_SZ (a pipe keeps its default 64 KB), SysV semaphore sets (kernel memory: 1.2-1.8 GB
 # held against a 1 GB budget) and extended attributes (kept in memory outside a tmpfs's size: about 3 GB). The
 # keyring calls (add_key, request_key, keyctl) fail too: keyrings outlive a run (a uid's, persistent ones) and
-# one inherited is the caller's. Code-contest programs use none of them; a program that does gets PermissionError.
+# one inherited is the caller's. Also refused: AIO contexts (io_setup: a run held 61,440 of the host's 65,536 AIO
+# slots), inotify and fanotify (kernel queues outside any address-space limit: 128 inotify queues held 1 GB),
+# userfaultfd, and perf_event_open (a window on the host's performance counters). Code-contest programs use none
+# of them; a program that does gets PermissionError.
 # On an architecture not listed here it is not installed
 # (`sandbox_description` says so): under a cgroup that bounds memory all the same, without one it does not.
-_SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); the same names on each
+_SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); aarch64 has no inotify_init
     "x86_64": (0xC000003E, {"memfd_create": 319, "memfd_secret": 447, "socket": 41, "socketpair": 53,
                             "shmget": 29, "msgget": 68, "semget": 64, "mq_open": 240, "io_uring_setup": 425,
                             "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
-                            "add_key": 248, "request_key": 249, "keyctl": 250, "fcntl": 72}),
+                            "add_key": 248, "request_key": 249, "keyctl": 250, "perf_event_open": 298,
+                            "fanotify_init": 300, "userfaultfd": 323, "io_setup": 206, "inotify_init": 253,
+                            "inotify_init1": 294, "fcntl": 72}),
     "aarch64": (0xC00000B7, {"memfd_create": 279, "memfd_secret": 447, "socket": 198, "socketpair": 199,
                              "shmget": 194, "msgget": 186, "semget": 190, "mq_open": 180, "io_uring_setup": 425,
                              "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
-                             "add_key": 217, "request_key": 218, "keyctl": 219, "fcntl": 25}),
+                             "add_key": 217, "request_key": 218, "keyctl": 219, "perf_event_open": 241,
+                             "fanotify_init": 262, "userfaultfd": 282, "io_setup": 0, "inotify_init1": 26,
+                             "fcntl": 25}),
 }
 _SECCOMP = r"""
 import ctypes, os, struct
@@ -178,9 +175,10 @@ def bind(src, dst, writable=False):
     mount(None, dst, flags=REMOUNT | BIND | NOSUID | kept | (0 if writable else RDONLY))
 
 
-def tmpfs(dst, size_mb, mode="1777"):
+def tmpfs(dst, size_mb, inodes, mode="1777"):
+    # nr_inodes: without it a million empty files held 1.5 GB of kernel memory that no size= counts
     os.makedirs(dst, exist_ok=True)
-    mount("tmpfs", dst, "tmpfs", NOSUID | NODEV, f"size={size_mb}m,mode={mode}")
+    mount("tmpfs", dst, "tmpfs", NOSUID | NODEV, f"size={size_mb}m,nr_inodes={inodes},mode={mode}")
 
 
 def reachable(root, path):
@@ -200,8 +198,8 @@ def reachable(root, path):
 root, uid = cfg["root"], cfg["uid"]
 # The root is never made here: once the pool has removed a killed worker's work dir, a setup still running
 # must not make it again on the host (it would be left behind).
-mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=1m,mode=755")
-tmpfs(root + "/tmp", cfg["tmp_mb"])
+mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=1m,nr_inodes=4096,mode=755")
+tmpfs(root + "/tmp", cfg["tmp_mb"], cfg["tmp_inodes"])
 for name in os.listdir(cfg["files"]):
     with open(os.path.join(cfg["files"], name), "rb") as src, open(f"{root}/tmp/{name}", "wb") as dst:
         dst.write(src.read())
@@ -213,13 +211,13 @@ for path in cfg["binds"]:
     bind(path, root + path)
 for path in cfg["paths"]:
     reachable(root, path)
-tmpfs(root + "/dev", 1, "755")
+tmpfs(root + "/dev", 1, 64, "755")
 for dev in ("null", "zero", "full", "random", "urandom"):
     bind("/dev/" + dev, f"{root}/dev/{dev}", writable=True)
 for i, name in enumerate(("stdin", "stdout", "stderr")):
     os.symlink(f"/proc/self/fd/{i}", f"{root}/dev/{name}")
 os.symlink("/proc/self/fd", root + "/dev/fd")
-tmpfs(root + "/dev/shm", cfg["shm_mb"])
+tmpfs(root + "/dev/shm", cfg["shm_mb"], cfg["shm_inodes"])
 os.makedirs(root + "/proc")
 try:  # refused where the host's /proc is partly hidden (some containers): then there is no /proc at all
     mount("proc", root + "/proc", "proc", NOSUID | NODEV | NOEXEC)
@@ -442,7 +440,8 @@ def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, 
     binds, links, paths = _root_layout()
     cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
            "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb,
-           "shm_mb": shm_mb, "binds": binds, "links": links, "paths": paths, "rlimits": rlimits, "argv": argv,
+           "shm_mb": shm_mb, "tmp_inodes": _TMP_INODES, "shm_inodes": _SHM_INODES, "binds": binds, "links": links,
+           "paths": paths, "rlimits": rlimits, "argv": argv,
            "env": _sandbox_env(), "status_fd": status_fd, "alive_fd": alive_fd}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
@@ -745,7 +744,8 @@ def sandbox_description() -> str:
     cgroup = _SANDBOX.get("cgroup")
     budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
               if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
-    seccomp = ("memfd, sockets, SysV IPC, xattrs and keyrings refused (seccomp)"
+    seccomp = ("memfd, sockets, SysV IPC, xattrs, keyrings, AIO, inotify, fanotify, userfaultfd and perf events "
+               "refused (seccomp)"
                if os.uname().machine in _SECCOMP_SYSCALLS
                else f"no seccomp filter on {os.uname().machine}: memory held unmapped is bounded only by a cgroup")
     return f"code sandbox: {mode}: {_MODES[mode]}; {budget}; {seccomp}"
@@ -761,15 +761,18 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
                   memory_mb: int = 1024, max_output: int = 1 << 20, converse: Callable | None = None,
                   mode: str | None = None) -> dict:
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
-    program's behaviour. With `converse`, its last two arguments are the numbers of a pipe it reads requests from
-    and one it writes reports to, and `converse(request_fd, report_fd, deadline)` talks to it while it runs (its
-    result: "conversation"); the run ends when it returns. Returns {"status": ok|exit_<rc>|signal_<n>|timeout|
-    output_limit|sandbox_error, "stdout", "stderr", "seconds", "conversation"}."""
+    program's behaviour. With `converse`, its last three arguments are the numbers of a pipe it reads requests
+    from, one it writes reports to and one for its control messages, and `converse(request_fd, report_fd,
+    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns.
+    Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit|sandbox_error, "stdout", "stderr", "seconds",
+    "conversation"}."""
     mode = mode or _sandbox_mode()
     # Named after this process, so that whoever kills it (the pool) can remove what it leaves.
     workdir = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_")
     uid = _acquire_uid()
-    pipes = [*os.pipe(), *os.pipe()] if converse else []  # request: read, write; report: read, write
+    # request (read, write), report (read, write), control (read, write): the program's process gets the
+    # request's read end and the report's write end; the control pipe's write end is the harness's alone
+    pipes = [*os.pipe(), *os.pipe(), *os.pipe()] if converse else []
 
     def close(*ends: int) -> None:  # once each: a number closed twice may by then be another file's
         for end in ends:
@@ -790,16 +793,16 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             fin.write((stdin_text or "").encode())
             fin.seek(0)
             os.fchmod(fin.fileno(), 0o444)  # a program that reopens /dev/stdin runs as another uid (as root)
-            extra = [str(pipes[0]), str(pipes[3])] if converse else []
+            extra = [str(pipes[0]), str(pipes[3]), str(pipes[5])] if converse else []
             t0 = time.monotonic()
             proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
-                                           pass_fds=(pipes[0], pipes[3]) if converse else (), status=fstatus)
+                                           pass_fds=(pipes[0], pipes[3], pipes[5]) if converse else (), status=fstatus)
             conversation, status = None, "timeout"
             try:
                 if converse:
-                    close(0, 3)
-                    conversation = converse(pipes[1], pipes[2], t0 + timeout)
-                    close(1, 2)  # the harness reads the end of its requests (or a broken pipe) and exits
+                    close(0, 3, 5)
+                    conversation = converse(pipes[1], pipes[2], pipes[4], t0 + timeout)
+                    close(1, 2, 4)  # the harness reads the end of its requests (or a broken pipe) and exits
                 rc = proc.wait(timeout=max(0.0, t0 + timeout - time.monotonic()))
                 status = "ok" if rc == 0 else (f"signal_{-rc}" if rc < 0 else f"exit_{rc}")
             except subprocess.TimeoutExpired:
@@ -834,31 +837,78 @@ def _read(f, limit: int) -> str:
     return f.read(limit).decode(errors="replace")
 
 
-# The tests' verdicts are decided here, not in the program's interpreter (which the program owns: it can read
-# the harness, patch builtins or __eq__, exit early, forge any line it writes). The sandbox only evaluates the
-# parts of each `assert` that depend on the program (`f(2)` of `assert f(2) == 4`) and reports their values as
-# data; this process evaluates the rest (`_v0 == 4`) on them (`_check_test`). What the judge needs never enters
-# the program's process before the program's own calls have returned: the harness holds no test; this process
-# sends one step at a time and the next only after the last one's report; each test runs in a fresh process
-# forked from the harness before the program's code ran (so no test's inputs meet another's), which then kills
-# what the test left; a test's expected values are sent only where a later step there reads them, right before
-# it. A forged report passes only by carrying the right values, which is solving the test; a forged "it returned"
-# of a step that then raised is caught by the fence after each test (`_run_test`). What the program can still
-# claim, since the harness runs in its process: that a call returned which never did (a thread of its own
-# answering in the harness's place while the call hangs) -- worth something only for a bare call no check reads.
+# ---- verdicts (judge_asserts): the contract
+#
+# A code test is a snippet of statements (`xs = [3, 1]`, `sort_in_place(xs)`, `assert f(2) == 4`). What is judged
+# where is decided from the test's text alone, never from the program's (its imports, names, behaviour):
+# - Each assert at the top level of a test is split at `and` into checks. A check that is a comparison (`==`, `!=`,
+#   `<`, `is`, `in`, chains) with at least one operand that needs nothing of the program (literals, builtins and
+#   math over the test's own values: an "expected" operand) is JUDGED OUTSIDE: the expected operands are evaluated
+#   in this process, the others in the program's process, whole, with Python's own semantics (the program's calls,
+#   methods and operators run where its objects live), and come back as plain data; the comparison is made here.
+#   `abs(f(x) - 0.3) < 1e-9` and `math.isclose(f(x), 0.3)` send only f(x) there (_tolerance_form), and
+#   `all(f(x) == 2 * x for x in <the test's values>)` sends only [f(x) for x in ...] (_each_form).
+# - Every other check (`f(x) == g(x)`, `isinstance(f(1), P)`, `f(2)`, `not f(3)`, `x in obj` where the container
+#   is the program's: its __contains__ answers), an assert that is not a top-level statement (in a loop, in a helper
+#   the test defines), and a test that ends with a statement (that it ran without raising) is JUDGED INSIDE: its
+#   truth is the program's process's word, which the program could forge. Such a test is scored like any other and
+#   counted again in `judged_inside`, so that a user sees the exposure.
+# - A test that does not parse is `unsupported`: not scored (the label's fault, the same for every program).
+# Plain data is None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset and those types themselves,
+# exact types only: a subclass, an instance of the program's classes, numpy, Decimal, range, a generator, a value
+# that contains itself is "not plain" and equal to nothing here (its __eq__ never runs here; counted in
+# `not_plain`). Nothing the program's process writes is trusted as a message: a value counts only as what it is
+# (forging the right value is giving the answer), every report carries the test's nonce (lines from an earlier
+# test's processes are refused), and a test is over only when the harness says so on a pipe the program's processes
+# cannot reach (closed in them; the harness is not dumpable, so its /proc/<pid>/fd and ptrace are out of their
+# reach whatever Yama allows). Expected operands never enter the program's process; a value the test keeps in a
+# variable goes there only when a step there reads it, and once one has, every list the test made is read there
+# (`ys = xs` may alias it). The builtins and modules the test's text names are, there, Python's own, taken before
+# the program ran (`def abs`, `math.isclose = ...` in the program change nothing the test computes).
+# Each test runs in a fresh process forked from a harness that never ran the program's code, as module __main__,
+# with a fresh /tmp and /dev/shm (the harness kills what the test left and empties them before the next test).
+# Cost here (the caller's): a report is at most _MAX_BYTES bytes as it travels (UTF-8 JSON, measured by the harness
+# before it sends and again here) and _MAX_NODES values; a response at most _MAX_RUN_BYTES and _MAX_RUN_NODES;
+# past them the test fails as `too_large`, counted, and the channel stays usable. Decoding is linear in those
+# (ints in hex; no Fraction, no arithmetic but the tolerance forms' one subtraction: only comparisons run here, each
+# linear in its operands); a set or dict with more than _MAX_SAME_HASH distinct items of one hash (building it is
+# quadratic) is too_large.
+_MAX_NODES, _MAX_BYTES, _MAX_DEPTH = 1_000_000, 8 << 20, 400
+_MAX_RUN_BYTES, _MAX_RUN_NODES = 24 << 20, 1_000_000
+_MAX_SAME_HASH = 8
+
 _HARNESS = r"""
-import json, os, sys, types
-REQ, REP = int(sys.argv[-2]), int(sys.argv[-1])
-MAX_BYTES, MAX_NODES, MAX_DEPTH = LIMITS
+import builtins, ctypes, json, math, os, shutil, signal, sys, types
+REQ, REP, CTL = (int(a) for a in sys.argv[-3:])
+MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST, SANDBOXED = LIMITS
+# Not dumpable: no process of the program's (the same uid) can ptrace this one or open its /proc/<pid>/fd (the
+# control pipe), whatever Yama allows. Inherited by the tests' processes: they cannot trace each other either.
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 PROGRAM = compile(open("solution.py").read(), "solution.py", "exec")  # run anew by each test's process
+WORK = os.getcwd()
+KEEP = {"solution.py", "harness.py"}
+# The names a test's text uses for builtins and math: Python's own, taken before any program ran.
+TEST_NAMES = {k: v for k, v in builtins.__dict__.items() if not k.startswith("_")}
+TEST_NAMES["__clean_import__"] = lambda name: CLEAN[name] if name in CLEAN else __import__(name, fromlist=["_"])
+PLAIN_TYPES = {t: t.__name__ for t in (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)}
+CONTAINERS = {list: "l", tuple: "t", set: "S", frozenset: "F"}
 # Libraries the program imports whose import is slow, imported once here (never from /tmp, the program's dir),
-# so that each test's process does not pay for it again.
+# so that each test's process does not pay for it again; and the modules the tests import.
 path, sys.path = sys.path, [p for p in sys.path if p not in ("", os.getcwd(), os.path.dirname(sys.argv[0]))]
 for module in PRELOAD:
     try:
         __import__(module)
     except Exception:
         pass
+CLEAN = {}  # the modules the tests import, as copies taken here (attributes the program assigns are not in them)
+for name in ("math", *TEST_IMPORTS):
+    try:
+        module = __import__(name, fromlist=["_"])
+        CLEAN[name] = types.ModuleType(name)
+        CLEAN[name].__dict__.update(module.__dict__)
+    except Exception:
+        pass
+TEST_NAMES["math"] = CLEAN["math"]
 sys.path = path
 
 
@@ -870,14 +920,20 @@ def receive():
         if not byte:
             os._exit(0)
         line += byte
-    return json.loads(line)
+    try:
+        return json.loads(line)
+    except ValueError:  # the rest of a line a killed test's process had begun to read
+        return [None, None, []]
 
 
-def send(message):
-    data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+def dump(message):
+    return (json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8", "surrogatepass")
+
+
+def write(fd, data):
     try:
         while data:
-            data = data[os.write(REP, data):]
+            data = data[os.write(fd, data):]
     except OSError:  # the caller stopped listening (its deadline, a report over its bound)
         os._exit(0)
 
@@ -886,84 +942,50 @@ class TooLarge(Exception):
     pass
 
 
-def fields(v):
-    # An instance's attributes, read through the C descriptors of object and of __slots__ only: a property or
-    # __getattr__ of the program's class never runs here.
-    out = {}
-    for klass in reversed(type.__getattribute__(type(v), "__mro__")):
-        for name, desc in list(type.__getattribute__(klass, "__dict__").items()):  # a mappingproxy: C code
-            if type(desc) is types.MemberDescriptorType:
-                try:
-                    out[name] = desc.__get__(v, type(v))
-                except AttributeError:
-                    pass
-            elif name == "__dict__" and type(desc) is types.GetSetDescriptorType:
-                found = desc.__get__(v, type(v))
-                if isinstance(found, dict):
-                    out.update((k, x) for k, x in dict.items(found) if type(k) is str)
-    return out
-
-
 def enc(v, budget, depth=0):
-    # Plain data by each builtin type's own methods (a subclass's overrides never run): JSON numbers and strings,
-    # [tag, ...] for the rest. `budget` counts nodes and bytes down: past either the value is too large.
+    # Plain data, exact builtin types only, read by their own C methods (no code of the program's runs here):
+    # JSON scalars and strings, [tag, ...] for the rest, ["n"] for anything else. `budget`: nodes and a lower bound
+    # of the bytes left (the line's exact size is checked once it is written), and the containers on the way here.
     budget[0] -= 1
     if budget[0] < 0 or budget[1] < 0 or depth > MAX_DEPTH:
         raise TooLarge
     t = type(v)
-    if v is None or t is bool:
+    if t is str:
+        budget[1] -= len(v) + 3
         return v
-    if issubclass(t, int) and t is not bool:
-        n = int.__int__(v)
-        if -(1 << 53) < n < (1 << 53):
-            budget[1] -= 2 + (int.bit_length(n) * 5 >> 4)  # its digits (log10(2) < 5/16) and a comma
-            return n
-        budget[1] -= int.bit_length(n) >> 2
+    if v is None or t is bool or t is float:
+        budget[1] -= 4
+        return v
+    if t is int:
+        budget[1] -= 2 + (v.bit_length() >> 2)
+        if -(1 << 53) < v < (1 << 53):
+            return v
         if budget[1] < 0:
             raise TooLarge
-        return ["i", int.__format__(n, "x")]
-    if issubclass(t, float):
-        return ["f", float.__repr__(v)]
-    if issubclass(t, complex):
-        return ["c", float.__repr__(complex.real.__get__(v)), float.__repr__(complex.imag.__get__(v))]
-    if issubclass(t, str):
-        budget[1] -= str.__len__(v) + 2
+        return ["i", format(v, "x")]
+    if t is bytes:
+        budget[1] -= 2 * len(v) + 6
         if budget[1] < 0:
             raise TooLarge
-        return str.__str__(v)
-    if issubclass(t, (bytes, bytearray)):
-        budget[1] -= 2 * len(v)
-        if budget[1] < 0:
+        return ["y", v.hex()]
+    if t in CONTAINERS or t is dict:
+        if len(v) > budget[0]:
             raise TooLarge
-        return ["y", (bytes.hex if issubclass(t, bytes) else bytearray.hex)(v)]
-    for base, tag in ((list, "l"), (tuple, "t"), (set, "S"), (frozenset, "F")):
-        if issubclass(t, base):
-            if base.__len__(v) > budget[0]:
-                raise TooLarge
-            return [tag, *(enc(x, budget, depth + 1) for x in list(base.__iter__(v)))]
-    if issubclass(t, dict):
-        if dict.__len__(v) > budget[0]:
-            raise TooLarge
-        return ["d", *([enc(k, budget, depth + 1), enc(x, budget, depth + 1)] for k, x in list(dict.items(v)))]
-    if issubclass(t, type):
-        return ["T", str(type.__getattribute__(v, "__qualname__"))]
-    module = str(type.__getattribute__(t, "__module__"))
-    if module == "fractions" and t.__name__ == "Fraction" and t is sys.modules["fractions"].Fraction:
-        return ["q", enc(v.numerator, budget), enc(v.denominator, budget)]
-    if module == "numpy" or module.startswith("numpy."):
-        numpy = sys.modules["numpy"]
-        if t is numpy.ndarray and v.size <= budget[0]:
-            return ["l", *(enc(x, budget, depth + 1) for x in numpy.ndarray.tolist(v))] if v.ndim else enc(
-                numpy.ndarray.tolist(v), budget, depth)
-        if isinstance(v, numpy.generic):
-            return enc(numpy.generic.item(v), budget, depth)
-    if module == "__main__":  # the program's own class: its name, its bases' names and its attributes
-        mro = [str(type.__getattribute__(k, "__qualname__")) for k in type.__getattribute__(t, "__mro__")]
-        return ["o", mro, *([name, enc(x, budget, depth + 1)] for name, x in fields(v).items())]
-    return ["u", module + "." + str(type.__getattribute__(t, "__qualname__"))]
+        if id(v) in budget[2]:
+            return ["n"]  # a value that contains itself: no plain form
+        budget[2].add(id(v))
+        try:
+            if t is dict:
+                return ["d", *([enc(k, budget, depth + 1), enc(x, budget, depth + 1)] for k, x in list(v.items()))]
+            return [CONTAINERS[t], *(enc(x, budget, depth + 1) for x in list(v))]
+        finally:
+            budget[2].discard(id(v))
+    if t is type and v in PLAIN_TYPES:
+        return ["T", PLAIN_TYPES[v]]
+    return ["n"]  # not plain data: it compares equal to nothing outside
 
 
-def report(values):
+def report(nonce, values):
     # In a process of its own when one can be had: a copy of this moment's memory with no thread of the
     # program's, so nothing the program left running changes a value while it is read.
     child = -1
@@ -975,62 +997,122 @@ def report(values):
         os.waitpid(child, 0)
         return
     try:
-        budget, out = [MAX_NODES, MAX_BYTES], []
-        for v in values:
+        budget, out = [MAX_NODES, MAX_BYTES, set()], []  # nodes, bytes, the containers being encoded
+        for kind, v in values:
             try:
-                out.append(["e", v[1]] if v[0] == "e" else enc(v[1], budget))
+                out.append(["e", v] if kind == "e" else enc(v, budget))
             except (TooLarge, RecursionError, MemoryError):
-                out.append(["z"])  # too large to carry: a counted failure
+                out.append(["z"])
                 budget[0] = budget[1] = -1
-            except Exception as e:
-                out.append(["u", type(e).__name__])
-        send(["values", out])
+        data = dump([nonce, "values", out])
+        if len(data) > MAX_BYTES:  # the bytes as they travel: past the bound, too large (never a cut channel)
+            data = dump([nonce, "values", [["z"]] * len(values)])
+        write(REP, data)
     finally:
         if child == 0:
             os._exit(0)
 
 
-def run_test(ns):
+def run_step(source, ns, scope, mode):
+    # The test's own scope holds its names (Python's builtins and math first); the program's module is the
+    # globals, so the test reaches the program's names, and its functions see the test's names, as in one module.
+    code = compile(source, "<test>", mode)
+    if mode == "eval":
+        return eval(code, ns, scope)
+    exec(code, ns, scope)
+    for name, value in scope.items():
+        if TEST_NAMES.get(name, ns) is not value:
+            ns[name] = value
+
+
+def run_test(nonce):
+    os.close(CTL)
+    main = types.ModuleType("__main__")  # the program's module is __main__ (multiprocessing pickles by it)
+    main.__file__, main.__builtins__ = os.path.join(WORK, "solution.py"), builtins
+    sys.modules["__main__"] = main
+    ns, scope = main.__dict__, dict(TEST_NAMES)
+    try:  # a crash or sys.exit() while defining things does not skip the test
+        exec(PROGRAM, ns)
+    except BaseException:
+        pass
     while True:
         kind, code, pre = receive()
-        if kind == "end":
+        if kind not in ("exec", "eval"):
             return
         try:
             for source in pre:
-                exec(source, ns)
+                run_step(source, ns, scope, "exec")
             if kind == "exec":
-                exec(code, ns)
-                send(["ok"])
+                run_step(code, ns, scope, "exec")
+                write(REP, dump([nonce, "ok"]))
                 continue
         except BaseException as e:
-            send(["raised", type(e).__name__])
+            write(REP, dump([nonce, "raised", type(e).__name__]))
             continue
         values = []
         for source in code:
             try:
-                values.append(["v", eval(source, ns)])
+                values.append(("v", run_step(source, ns, scope, "eval")))
             except BaseException as e:
-                values.append(["e", type(e).__name__])
-        report(values)  # after all of the assert's calls returned: the values as the program left them
+                values.append(("e", type(e).__name__))
+        report(nonce, values)  # after all of the assert's calls returned: the values as the program left them
 
 
+def remove(path):
+    def writable(func, p, exc):  # a directory the program made read-only is still this uid's
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=writable)
+        else:
+            os.unlink(path)
+    except (OSError, RecursionError):
+        pass
+
+
+def fresh_files():
+    # -> whether /tmp (and /dev/shm, in a sandbox) hold nothing a test left
+    clean = True
+    for d in (WORK, "/dev/shm") if SANDBOXED else (WORK,):
+        try:
+            for name in os.listdir(d):
+                if d != WORK or name not in KEEP:
+                    remove(os.path.join(d, name))
+            clean = clean and set(os.listdir(d)) <= (KEEP if d == WORK else set())
+        except OSError:
+            clean = False
+    return clean
+
+
+def stop_test(signum, frame):
+    try:
+        os.kill(test, 9)
+    except OSError:
+        pass
+
+
+signal.signal(signal.SIGALRM, stop_test)
 while True:
     message = receive()
-    if message[0] == "fence":  # from the caller, after this test's process is gone: what came before is over
-        send(["fenced", message[1]])
     if message[0] != "test":
         continue
+    nonce = str(message[1])
     test = os.fork()
     if test == 0:
-        ns = {"__name__": "__main__"}
-        try:  # a crash or sys.exit() while defining things does not skip the test
-            exec(PROGRAM, ns)
-        except BaseException:
-            pass
-        run_test(ns)
-        os._exit(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        try:
+            run_test(nonce)
+        finally:
+            os._exit(0)
+    signal.setitimer(signal.ITIMER_REAL, PER_TEST)
     os.waitpid(test, 0)
-    if KILL_STRAYS:  # in a pid namespace: what the test started dies with it, before the next test
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    if SANDBOXED:  # in a pid namespace: what the test started dies with it, before the next test
         try:
             os.kill(-1, 9)
         except OSError:
@@ -1040,419 +1122,143 @@ while True:
                 os.waitpid(-1, 0)
         except ChildProcessError:
             pass
-    send(["done"])
+    write(CTL, dump(["done", nonce, fresh_files()]))
 """
 
 
-# Evaluated here on the program's plain values: pure builtins (and math), never the program's.
-_LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bin": bin, "bool": bool, "bytes": bytes, "chr": chr,
-                "complex": complex, "dict": dict, "divmod": divmod, "float": float, "frozenset": frozenset,
-                "hex": hex, "int": int, "isinstance": isinstance, "len": len, "list": list, "max": max, "min": min,
-                "oct": oct, "ord": ord, "repr": repr, "reversed": reversed, "round": round, "set": set,
-                "sorted": sorted, "str": str, "sum": sum, "tuple": tuple, "type": type}
-_LOCAL_MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "sqrt", "pi", "e", "inf", "nan",
-               "trunc", "log", "log2", "log10", "exp", "gcd", "prod", "fsum"}
-_LOCAL_METHODS = {"upper", "lower", "strip", "lstrip", "rstrip", "split", "rsplit", "splitlines", "join", "replace",
-                  "count", "find", "rfind", "index", "startswith", "endswith", "isdigit", "isalpha", "isalnum",
-                  "isspace", "isupper", "islower", "title", "capitalize", "casefold", "keys", "values", "items",
-                  "get", "copy", "issubset", "issuperset", "isdisjoint", "union", "intersection", "difference"}
-_LOCAL_NODES = (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List, ast.Set, ast.Dict,
-                ast.Subscript, ast.Slice, ast.Starred, ast.JoinedStr, ast.FormattedValue, ast.Constant)
-# The test's own expressions (no program in them) are evaluated here whole, comprehensions and range included.
-_TEST_ONLY_NODES = (*_LOCAL_NODES, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.comprehension,
-                    ast.Name, ast.Call, ast.Attribute, ast.keyword, ast.expr_context, ast.operator, ast.unaryop,
-                    ast.boolop, ast.cmpop)
-_TEST_ONLY_CALLS = {"range", "enumerate", "zip", "map", "filter"}
-
-# The judge's cost. The program's values reach this process under a bound checked in the sandbox and again
-# here: per assert at most _MAX_NODES nodes and _MAX_BYTES bytes of encoded data (ints in hex, any size), per run
-# _MAX_RUN_BYTES; past it a value is a counted `too_large` failure. Every operation a check makes on them is
-# bounded before it starts (`_bin`, `_sized`, `_method`, `_fmt`, `_sum`, `_prod`, `_gcd`): ints of at most
-# _MAX_BITS bits out of *, ** and <<, at most _MAX_WORDS machine-word products for //, % and gcd; at most _MAX_SIZE
-# items (an int counting one per 64 bits) out of sequence repetition, sum(), join, replace and a format width; no
-# set or dict of items that share a hash more than _MAX_SAME_HASH times (collisions make building it quadratic).
-# Everything else a check can do is linear in its values (comparisons, len, sorted, in), so one response costs
-# this process time and memory linear in _MAX_RUN_BYTES (measured in test_sandbox.py: below 2 s and 400 MB).
-_MAX_NODES, _MAX_BYTES, _MAX_DEPTH = 1_000_000, 8 << 20, 200
-_MAX_RUN_BYTES = 32 << 20
-_MAX_BITS, _MAX_WORDS, _MAX_SIZE, _MAX_SAME_HASH = 1 << 22, 1 << 27, 10 ** 7, 8
-
-
 class _Raised(Exception):
-    pass
+    """A value that raised in the program's process (or was malformed): using it fails the check."""
 
 
 class _TooLarge(_Raised):
     """A value over the bound: using it fails the check, and the test counts as too_large."""
 
 
-class _Leaves(dict):
-    """The program's values by name `_v<k>`; one that raised in the sandbox raises when it is read."""
+class _NotPlain:
+    """A value of a type that is not plain data: equal to nothing here (`==` and `in` are False, `<` raises)."""
 
-    def __getitem__(self, key):
-        value = dict.__getitem__(self, key)
-        if isinstance(value, _Raised):
-            raise value
-        return value
-
-
-class _Instance:
-    """An instance of the program's class, as data: its class's name and bases' names and its attributes. Equal to
-    another of the same class with equal attributes (what the program's __eq__ says never counts here)."""
-
-    def __init__(self, mro: tuple, fields: dict):
-        self.mro, self.fields = mro, fields
-
-    def __eq__(self, other):
-        return type(other) is _Instance and other.mro[0] == self.mro[0] and other.fields == self.fields
-
-    def __hash__(self):
-        try:
-            return hash((self.mro[0], tuple(sorted(self.fields.items()))))
-        except TypeError:
-            return hash(self.mro[0])
+    __hash__ = object.__hash__
 
     def __repr__(self):
-        return f"{self.mro[0]}({', '.join(f'{k}={v!r}' for k, v in self.fields.items())})"
+        return "<not plain data>"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Class:
-    """A class of the program's, by name (for isinstance)."""
-    name: str
+_SCALARS = frozenset({type(None), bool, int, float, str})  # what JSON gives as itself
+_TYPES = {t.__name__: t for t in (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)}
 
 
-def _size(value: Any, cap: int = _MAX_SIZE) -> int:
-    """Items in `value`, nested ones included (an int counts one per 64 bits, a string one per character), counted
-    up to just past `cap`."""
-    total, todo = 0, [value]
-    while todo and total <= cap:
-        v = todo.pop()
-        total += 1
-        if isinstance(v, int):
-            total += v.bit_length() >> 6
-        elif isinstance(v, (str, bytes)):
-            total += len(v)
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            todo.extend(v)
-        elif isinstance(v, dict):
-            todo.extend(v.keys())
-            todo.extend(v.values())
-        elif isinstance(v, _Instance):
-            todo.extend(v.fields.values())
-    return total
-
-
-def _hash_safe(items: list) -> list:
-    """`items`, unless more than _MAX_SAME_HASH of them share a hash (ints k * (2**61 - 1) all hash alike)."""
-    if len(items) > _MAX_SAME_HASH and max(collections.Counter(map(hash, items)).values()) > _MAX_SAME_HASH:
-        raise ValueError("colliding hashes")
+def _hash_safe(items: list, encoded: list) -> list:
+    """`items`, unless more than _MAX_SAME_HASH distinct ones share a hash (ints k * (2**61 - 1) all hash alike: a set
+    of them costs quadratic time). Equal items sharing a hash are cheap, and fine; distinct is told by their encoding
+    (strings hash with a random key)."""
+    if len(items) <= _MAX_SAME_HASH:
+        return items
+    hashes = list(map(hash, items))
+    crowded = {h for h, n in collections.Counter(hashes).items() if n > _MAX_SAME_HASH}
+    groups: dict = {}
+    for h, code in zip(hashes, encoded):
+        if h in crowded:
+            groups.setdefault(h, set()).add(json.dumps(code))
+            if len(groups[h]) > _MAX_SAME_HASH:
+                raise _TooLarge("colliding hashes")
     return items
 
 
-def _int_cost_ok(op: str, a: int, b: int) -> bool:
-    small, big = sorted((abs(a).bit_length(), abs(b).bit_length()))
-    if op == "Mult":
-        return small <= 64 or small + big <= _MAX_BITS
-    if op == "Pow":
-        return b < 0 or abs(a) <= 1 or b * max(1, abs(a).bit_length()) <= _MAX_BITS
-    if op == "LShift":
-        return b <= _MAX_BITS and abs(a).bit_length() + b <= _MAX_BITS
-    if op in ("FloorDiv", "Mod", "divmod", "gcd"):
-        return (small // 64 + 1) * (big // 64 + 1) <= _MAX_WORDS
-    return True
-
-
-_FORMAT_NUMBER = re.compile(r"\d+")
-
-
-def _format_ok(spec: str) -> bool:
-    """A width or precision of at most _MAX_SIZE; no `*` (its width comes from the values)."""
-    return "*" not in spec and all(len(n) < 9 and int(n) <= _MAX_SIZE for n in _FORMAT_NUMBER.findall(spec))
-
-
-def _bin(op: str, left: Any, right: Any) -> Any:
-    """`left op right` for the checks here, refused ("result too large") where it would take this process more
-    than the bounds above (`[0] * f(x)` with f returning 10**9, `3 ** f(x)`, `'%*d' % (f(x), 1)`)."""
-    if isinstance(left, int) and isinstance(right, int) and not _int_cost_ok(op, left, right):
-        raise ValueError("result too large")
-    if op == "Mult":
-        n, seq = (left, right) if isinstance(left, int) else (right, left)
-        if isinstance(n, int) and isinstance(seq, (str, bytes, list, tuple)) and n > 0 and (
-                n > _MAX_SIZE or _size(seq, _MAX_SIZE // n) * n > _MAX_SIZE):
-            raise ValueError("result too large")
-    elif op == "Mod" and isinstance(left, (str, bytes)) and not _format_ok(str(left)):
-        raise ValueError("result too large")
-    return _BINARY_OPS[op](left, right)
-
-
-_BINARY_OPS = {"Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mult": lambda a, b: a * b,
-               "MatMult": lambda a, b: a @ b, "Div": lambda a, b: a / b, "FloorDiv": lambda a, b: a // b,
-               "Mod": lambda a, b: a % b, "Pow": lambda a, b: a ** b, "LShift": lambda a, b: a << b,
-               "RShift": lambda a, b: a >> b, "BitOr": lambda a, b: a | b, "BitXor": lambda a, b: a ^ b,
-               "BitAnd": lambda a, b: a & b}
-
-
-def _fmt(value: Any, conversion: int, spec: str) -> str:
-    """An f-string's `{value!conversion:spec}`, its width and precision bounded."""
-    if not _format_ok(spec):
-        raise ValueError("result too large")
-    value = {115: str, 114: repr, 97: ascii}.get(conversion, lambda v: v)(value)
-    return format(value, spec)
-
-
-def _method(obj: Any, name: str, *args, **kwargs) -> Any:
-    """`obj.name(*args)` with the results of join and replace bounded, and the items a set method hashes checked."""
-    if name == "join" and args:
-        items = list(args[0])
-        if sum(len(x) if isinstance(x, (str, bytes)) else 1 for x in items) + len(obj) * len(items) > _MAX_SIZE:
-            raise ValueError("result too large")
-        args = (items,)
-    elif name == "replace" and len(args) >= 2 and isinstance(obj, (str, bytes)):
-        if len(obj) + (len(obj) + 1) * len(args[1]) > _MAX_SIZE and args[0] in obj:
-            raise ValueError("result too large")
-    elif name in ("union", "intersection", "difference", "issubset", "issuperset", "isdisjoint"):
-        args = tuple(a if isinstance(a, (set, frozenset, dict)) else _hash_safe(list(a)) for a in args)
-    return getattr(obj, name)(*args, **kwargs)
-
-
-def _int_loop_ok(items: list, start: Any) -> bool:
-    """sum() or prod() over ints: each step makes a new int as large as the running result, so the work is at most
-    the count times the result's size (for a product, the sum of the operands' sizes)."""
-    ints = [x for x in (*items, start) if isinstance(x, int)]
-    bits = sum(abs(x).bit_length() for x in ints)
-    return len(ints) * (bits // 64 + 1) <= _MAX_WORDS
-
-
-def _sum(items, start=0):
-    items = list(items)
-    if not isinstance(start, (int, float, complex)) or any(isinstance(x, (list, tuple, str, bytes)) for x in items):
-        if len(items) * _size(items, _MAX_SIZE) > _MAX_SIZE * 10:  # each + copies what came before
-            raise ValueError("result too large")
-    elif not _int_loop_ok(items, start):
-        raise ValueError("result too large")
-    return sum(items, start)
-
-
-def _prod(items, start=1):
-    items = list(items)
-    if not _int_loop_ok(items, start):
-        raise ValueError("result too large")
-    for x in items:
-        start = _bin("Mult", start, x)
-    return start
-
-
-def _gcd(*ints):
-    for a in ints:
-        for b in ints:
-            if isinstance(a, int) and isinstance(b, int) and not _int_cost_ok("gcd", a, b):
-                raise ValueError("result too large")
-    return pymath.gcd(*ints)
-
-
-def _divmod(a, b):
-    if isinstance(a, int) and isinstance(b, int) and not _int_cost_ok("divmod", a, b):
-        raise ValueError("result too large")
-    return divmod(a, b)
-
-
-def _round(x, *ndigits):
-    if ndigits and isinstance(ndigits[0], int) and abs(ndigits[0]) > 10_000:
-        raise ValueError("result too large")
-    return round(x, *ndigits)
-
-
-def _isinstance(value, kind):
-    if isinstance(kind, _Class):
-        return isinstance(value, _Instance) and kind.name in value.mro
-    if isinstance(kind, tuple) and any(isinstance(k, _Class) for k in kind):
-        return any(_isinstance(value, k) for k in kind)
-    return isinstance(value, kind)
-
-
-class _GuardOps(ast.NodeTransformer):
-    """Routes a check's costly operations through the bounded versions above: binary operations (`_bin`), the
-    methods that can blow up (`_method`), f-string fields (`_fmt`) and set displays (`_sized(set)`)."""
-
-    def visit_BinOp(self, node: ast.BinOp) -> ast.expr:
-        self.generic_visit(node)
-        return ast.copy_location(ast.Call(func=ast.Name(id="_bin", ctx=ast.Load()),
-                                          args=[ast.Constant(type(node.op).__name__), node.left, node.right],
-                                          keywords=[]), node)
-
-    def visit_Call(self, node: ast.Call) -> ast.expr:
-        self.generic_visit(node)
-        if isinstance(node.func, ast.Attribute) and node.func.attr in _LOCAL_METHODS:
-            return ast.copy_location(ast.Call(func=ast.Name(id="_method", ctx=ast.Load()),
-                                              args=[node.func.value, ast.Constant(node.func.attr), *node.args],
-                                              keywords=node.keywords), node)
-        return node
-
-    def visit_Set(self, node: ast.Set) -> ast.expr:
-        self.generic_visit(node)
-        return ast.copy_location(ast.Call(func=ast.Name(id="set", ctx=ast.Load()),
-                                          args=[ast.List(elts=node.elts, ctx=ast.Load())], keywords=[]), node)
-
-    def visit_FormattedValue(self, node: ast.FormattedValue) -> ast.expr:
-        self.generic_visit(node)
-        spec = node.format_spec or ast.Constant("")
-        call = ast.Call(func=ast.Name(id="_fmt", ctx=ast.Load()), args=[node.value, ast.Constant(node.conversion),
-                        spec], keywords=[])
-        return ast.copy_location(ast.FormattedValue(value=call, conversion=-1, format_spec=None), node)
-
-
-def _sized(make: Callable) -> Callable:
-    """A constructor (set, dict, bytes, ...) that refuses the program's hostile values: an int asking for
-    gigabytes (`bytes(10**10)`), or items whose hashes collide."""
-    def call(*args, **kwargs):
-        if args and type(args[0]) is int and args[0] > _MAX_SIZE:
-            raise ValueError("result too large")
-        if make in (set, frozenset, dict) and args and not isinstance(args[0], (set, frozenset, dict)):
-            items = list(args[0])
-            _hash_safe([item[0] if make is dict and isinstance(item, (list, tuple)) and item else item
-                        for item in items])
-            args = (items, *args[1:])
-        return make(*args, **kwargs)
-    return call
-
-
 def _decode(x: Any, budget: list, depth: int = 0) -> Any:
-    """A value the sandbox encoded (see _HARNESS's enc), checked again here: the program may write anything."""
+    """A value the harness encoded, checked again here: the program may have written anything."""
     budget[0] -= 1
     if budget[0] < 0 or depth > _MAX_DEPTH:
         raise _TooLarge("too_large")
-    if x is None or isinstance(x, (bool, int, str)):
+    if x is None or isinstance(x, (bool, int, float, str)):
         return x
     tag, rest = x[0], x[1:]
     if tag == "i":
         if len(rest[0]) > 2 * _MAX_BYTES:
             raise _TooLarge("too_large")
         return int(rest[0], 16)
-    if tag in ("f", "c"):
-        return float(rest[0]) if tag == "f" else complex(float(rest[0]), float(rest[1]))
     if tag == "y":
         return bytes.fromhex(rest[0])
     if tag in ("l", "t", "S", "F"):
-        items = [_decode(v, budget, depth + 1) for v in rest]
+        if all(map(_SCALARS.__contains__, map(type, rest))):  # the common case, without a call per item
+            budget[0] -= len(rest)
+            if budget[0] < 0:
+                raise _TooLarge("too_large")
+            items = rest
+        else:
+            items = [_decode(v, budget, depth + 1) for v in rest]
         if tag in ("S", "F"):
-            return (set if tag == "S" else frozenset)(_hash_safe(items))
+            return (set if tag == "S" else frozenset)(_hash_safe(items, rest))
         return items if tag == "l" else tuple(items)
     if tag == "d":
-        pairs = [(_decode(k, budget, depth + 1), _decode(v, budget, depth + 1)) for k, v in rest]
-        return dict(zip(_hash_safe([k for k, _ in pairs]), (v for _, v in pairs)))
-    if tag == "q":
-        return fractions.Fraction(_decode(rest[0], budget), _decode(rest[1], budget))
-    if tag == "o":
-        fields = {str(name): _decode(v, budget, depth + 1) for name, v in rest[1:]}
-        return _Instance(tuple(str(n) for n in rest[0]), fields)
+        if all(type(p) is list and len(p) == 2 and type(p[0]) in _SCALARS and type(p[1]) in _SCALARS for p in rest):
+            budget[0] -= 2 * len(rest)
+            if budget[0] < 0:
+                raise _TooLarge("too_large")
+            pairs = rest
+        else:
+            pairs = [(_decode(k, budget, depth + 1), _decode(v, budget, depth + 1)) for k, v in rest]
+        return dict(zip(_hash_safe([k for k, _ in pairs], [k for k, _ in rest]), (v for _, v in pairs)))
     if tag == "T":
-        return _Class(str(rest[0]))
+        return _TYPES[rest[0]]
+    if tag == "n":
+        return _NotPlain()
     if tag == "z":
         raise _TooLarge("too_large")
     if tag == "e":
         return _Raised(str(rest[0])[:100])
-    return _Raised(f"unsupported value {str(rest[0])[:100]}")  # "u": a type with no plain form here
+    raise ValueError("unknown tag")
 
 
-def _decode_values(values: list) -> list:
-    """An assert's reported values; one that raised, is too large or is malformed reads as that failure."""
-    budget, out = [_MAX_NODES], []
+def _decode_values(values: Any, run_nodes: list) -> list:
+    """An assert's reported values; one that raised, is too large or is malformed reads as that failure.
+    `run_nodes`: the values the response may still bring (_MAX_RUN_NODES at its start), counted down."""
+    budget, out = [min(_MAX_NODES, run_nodes[0])], []
     for value in values if isinstance(values, list) else []:
         try:
             out.append(_decode(value, budget))
-        except _TooLarge as e:
+        except _Raised as e:
             out.append(e)
         except (ValueError, TypeError, IndexError, KeyError, AttributeError, RecursionError, ZeroDivisionError):
             out.append(_Raised("malformed report"))
+    run_nodes[0] -= min(_MAX_NODES, run_nodes[0]) - max(0, budget[0])
     return out
 
 
-_GUARDED_MATH = types.SimpleNamespace(**{name: getattr(pymath, name) for name in _LOCAL_MATH} | {
-    "prod": _prod, "gcd": _gcd})
+# What an expected operand may use: the test's own values, builtins and math, evaluated here.
+_LOCAL_CALLS = {"abs": abs, "all": all, "any": any, "bin": bin, "bool": bool, "bytes": bytes, "chr": chr,
+                "complex": complex, "dict": dict, "divmod": divmod, "float": float, "frozenset": frozenset,
+                "hex": hex, "int": int, "len": len, "list": list, "max": max, "min": min, "oct": oct, "ord": ord,
+                "repr": repr, "reversed": reversed, "round": round, "set": set, "sorted": sorted, "str": str,
+                "sum": sum, "tuple": tuple, "type": type, "range": range, "enumerate": enumerate, "zip": zip,
+                "map": map, "filter": filter, "True": True, "False": False, "None": None}
+_LOCAL_MATH = {"isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "sqrt", "pi", "e", "inf", "nan",
+               "trunc", "log", "log2", "log10", "exp", "gcd", "prod", "fsum", "factorial", "comb", "perm"}
+_EXPECTED_NODES = (ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Tuple, ast.List, ast.Set,
+                   ast.Dict, ast.Subscript, ast.Slice, ast.Starred, ast.JoinedStr, ast.FormattedValue, ast.Constant,
+                   ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.comprehension, ast.Name, ast.Call,
+                   ast.Attribute, ast.keyword, ast.expr_context, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+_STR_METHODS = {"upper", "lower", "strip", "split", "join", "replace", "keys", "values", "items"}
 
 
-def _check_namespace() -> dict:
-    """Where a test's checks run: pure builtins and math, the costly ones bounded; never the program's."""
-    return {"__builtins__": {}, "math": _GUARDED_MATH, **_LOCAL_CALLS, "range": range, "enumerate": enumerate,
-            "zip": zip, "map": map, "filter": filter, "_bin": _bin, "_fmt": _fmt, "_method": _method,
-            "sum": _sum, "divmod": _divmod, "round": _round, "isinstance": _isinstance,
-            **{name: _sized(_LOCAL_CALLS[name]) for name in ("set", "frozenset", "dict", "bytes")}}
-
-
-def _is_local(node: ast.expr, names: set[str]) -> bool:
-    """A builtin (or a constant the test itself set) or one of math's, evaluated here."""
-    if isinstance(node, ast.Name):  # range() and the like only over the test's own values: no range(f(x)) here
-        return node.id in names and node.id not in _TEST_ONLY_CALLS
-    if isinstance(node, ast.Attribute):
-        return isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _LOCAL_MATH and (
-            "math" in names)
-    return False
-
-
-def _test_only(node: ast.expr, names: set[str]) -> bool:
-    """True when `node` needs nothing of the program: literals, builtins, math, comprehensions over them."""
+def _expected_only(node: ast.expr, names: set[str]) -> bool:
+    """True when `node` needs nothing of the program: literals, builtins, math, comprehensions over the test's own
+    values (`names`: the names whose values this process holds)."""
     bound = {n.id for c in ast.walk(node) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)
              if isinstance(n, ast.Name)}
-    allowed = names | bound
     for n in ast.walk(node):
-        if not isinstance(n, _TEST_ONLY_NODES):
+        if not isinstance(n, _EXPECTED_NODES):
             return False
-        if isinstance(n, ast.Name) and n.id not in allowed:
+        if isinstance(n, ast.Name) and n.id not in names | bound:
             return False
-        if isinstance(n, ast.Attribute) and not (_is_local(n, names) or n.attr in _LOCAL_METHODS):
+        if isinstance(n, ast.Attribute) and not (
+                isinstance(n.value, ast.Name) and n.value.id == "math" and n.attr in _LOCAL_MATH and "math" in names
+                or n.attr in _STR_METHODS and not isinstance(n.value, ast.Name)):
             return False
     return True
 
 
-def _split(node: ast.expr, leaves: list[str], names: set[str], set_here: set[str] = frozenset()) -> ast.expr:
-    """`node` with each maximal part that needs the program replaced by a name `_v<k>` (its source
-    appended to `leaves`, for the sandbox to evaluate). A name of `set_here` that a leaf reads is read there
-    from then on (`names` loses it): the program's call may have changed it."""
-    if _is_local(node, names) or _test_only(node, names):
-        return node
-    method = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LOCAL_METHODS
-    if method:  # `f(x).strip()`: the method of the plain value it reported, called here
-        node.func.value = _split(node.func.value, leaves, names, set_here)
-    if method or isinstance(node, ast.Call) and _is_local(node.func, names):
-        node.args = [_split(a, leaves, names, set_here) for a in node.args]
-        for kw in node.keywords:
-            kw.value = _split(kw.value, leaves, names, set_here)
-        return node
-    if isinstance(node, _LOCAL_NODES):
-        for field, value in ast.iter_fields(node):
-            if isinstance(value, ast.expr):
-                setattr(node, field, _split(value, leaves, names, set_here))
-            elif isinstance(value, list):
-                setattr(node, field, [_split(v, leaves, names, set_here) if isinstance(v, ast.expr) else v
-                                      for v in value])
-        return node
-    leaves.append(ast.unparse(node))
-    names.difference_update(set_here & {n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
-    return ast.copy_location(ast.Name(id=f"_v{len(leaves) - 1}", ctx=ast.Load()), node)
-
-
-# Names whose sandbox value is never the program's answer: the builtins (the program may replace them there).
-_BUILTIN_NAMES = frozenset(dir(builtins))
-
-
-def _spine_root(node: ast.expr) -> str | None:
-    """The name a value hangs from: `f` of `f(2)[0].x`, `Solution` of `Solution().run(3)`; None for anything
-    else (a comprehension, a lambda, a constant's method) and for a dunder on the way (`f(2).__eq__(4)`)."""
-    while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("__"):
-            return None
-        node = node.func if isinstance(node, ast.Call) else node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
-def _program_value(node: ast.expr, not_program: set[str]) -> bool:
-    """Whether the sandbox's value of `node` is the program's answer: a call into, or a value of, what the program
-    defines. Anything else evaluated there (a comparison inside a comprehension, a helper the test defines, an
-    expected value built with an imported class, a builtin) the program could forge, so a test needing one is
-    not judged."""
-    root = _spine_root(node)
-    return root is not None and root not in not_program and root not in _BUILTIN_NAMES
+def _names_in(nodes: list) -> set[str]:
+    return {n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
 def _bound_names(stmt: ast.stmt) -> set[str]:
@@ -1465,94 +1271,195 @@ def _bound_names(stmt: ast.stmt) -> set[str]:
     return names
 
 
-def _calls_shadowed_builtin(node: ast.expr, shadowed: set[str], names: set[str]) -> bool:
-    """A call of a builtin that the program redefines, on the test's own values (`sum(1, 2)` with the program's
-    `def sum`): the program's function or the builtin? Neither reading is safe to judge."""
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in shadowed
-               and n.func.id in _LOCAL_CALLS and all(_test_only(a, names) for a in n.args)
-               for n in ast.walk(node))
+def _conjuncts(node: ast.expr) -> list[ast.expr]:
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+        return [c for v in node.values for c in _conjuncts(v)]
+    return [node]
+
+
+def _clean_imports(stmt: ast.stmt) -> list[ast.stmt] | None:
+    """A test's top-level import as assignments from copies of the modules taken before the program ran (the
+    harness's `__clean_import__`): `import numpy as np` -> `np = __clean_import__('numpy')`, `from math import
+    isclose` -> `isclose = math.isclose`. None: not an import (or a relative one)."""
+    out = []
+    if isinstance(stmt, ast.Import):
+        for a in stmt.names:
+            if a.name == "math" and a.asname in (None, "math"):
+                continue  # the test's math is the harness's copy already
+            name, value = (a.asname, a.name) if a.asname else (a.name.split(".")[0], a.name.split(".")[0])
+            out.append(f"{name} = __clean_import__({value!r})")
+            if not a.asname and "." in a.name:
+                out.insert(0, f"__clean_import__({a.name!r})")  # `import os.path`: the submodule is imported too
+    elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level and all(a.name != "*" for a in stmt.names):
+        module = "math" if stmt.module == "math" else f"__clean_import__({stmt.module!r})"
+        out += [f"{a.asname or a.name} = {module}.{a.name}" for a in stmt.names]
+    else:
+        return None
+    return [ast.parse(line).body[0] for line in out]
 
 
 _MUTABLE_NODES = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp, ast.Call)
 
 
-def _plan_test(test: str, shadowed: set[str], imported: set[str] = frozenset()) -> tuple[list, list] | None:
-    """(steps for the sandbox: [kind, source, pre], "exec" runs a statement there, "eval" reports the values of
-    [sources], each after running `pre`; steps here: ("check", j, expression over the values of step j, how many)
-    per top-level assert, ("set", statement) for `name = <test-only expression>`, so that an expected value the
-    test keeps in a variable is computed here, out of the program's reach). None: no such assert, or one whose
-    verdict the program could forge.
+def _each_form(conj: ast.expr, names: set[str]) -> tuple[str, str, Any, bool] | None:
+    """`all(<a> <op> <b> for <x> in <the test's values>)` (or over a list comprehension), one of a, b expected-only:
+    (the source of [the program's side for each x], to run there; op; [the expected side for each x], compiled for
+    here; whether the program's side is on the left). None for any other shape."""
+    if not (isinstance(conj, ast.Call) and isinstance(conj.func, ast.Name) and conj.func.id == "all" and
+            len(conj.args) == 1 and not conj.keywords and isinstance(conj.args[0], (ast.GeneratorExp, ast.ListComp))):
+        return None
+    comp = conj.args[0]
+    if len(comp.generators) != 1 or comp.generators[0].ifs or comp.generators[0].is_async or not (
+            isinstance(comp.elt, ast.Compare) and len(comp.elt.ops) == 1):
+        return None
+    gen = comp.generators[0]
+    if not _expected_only(gen.iter, names):
+        return None
+    inner = names | {n.id for n in ast.walk(gen.target) if isinstance(n, ast.Name)}
+    sides = [comp.elt.left, comp.elt.comparators[0]]
+    expected = [_expected_only(side, inner) for side in sides]
+    if expected.count(True) != 1:
+        return None
+    program, wanted = (sides[0], sides[1]) if expected[1] else (sides[1], sides[0])
+    target, iterable = ast.unparse(gen.target), ast.unparse(gen.iter)
+    here = ast.parse(f"[{ast.unparse(wanted)} for {target} in {iterable}]", mode="eval")
+    return (f"[{ast.unparse(program)} for {target} in {iterable}]", type(comp.elt.ops[0]).__name__,
+            compile(here, "<test>", "eval"), expected[1])
 
-    A name set here reaches the sandbox only right before the first step there that reads it (an input, not an
-    expected value: `expected = 4` then `assert f(2) == expected` must not let f return `expected`). Once a step
-    there has read it, the program may have changed it (an in-place contract: `sort_in_place(xs)`), so later
-    checks read its value there, not the copy here.
 
-    `shadowed`: names the program defines at top level; builtins and math here are always the real ones.
-    `imported`: names the program imports (a module's function is not the program's answer)."""
+def _tolerance_form(conj: ast.expr, names: set[str], iscloses: set[str]) -> tuple[ast.expr, Any] | None:
+    """A float check whose expected value sits inside a call (`abs(f(x) - 0.3) < 1e-9`, `math.isclose(f(x), 0.3,
+    rel_tol=...)`, `isclose(..)` after `from math import isclose`: `iscloses` names it): (the program's operand, the
+    check compiled with `_v` in its place), so that only f(x) is computed there and the expected value never goes
+    there. None for any other shape."""
+    def split(parts: list[ast.expr]) -> int | None:  # the one part that is not expected-only
+        there = [i for i, p in enumerate(parts) if not _expected_only(p, names)]
+        return there[0] if len(there) == 1 else None
+
+    if isinstance(conj, ast.Compare) and len(conj.ops) == 1 and isinstance(conj.ops[0], (ast.Lt, ast.LtE)) and \
+            _expected_only(conj.comparators[0], names) and isinstance(conj.left, ast.Call) and \
+            isinstance(conj.left.func, ast.Name) and conj.left.func.id == "abs" and len(conj.left.args) == 1 and \
+            isinstance(conj.left.args[0], ast.BinOp) and isinstance(conj.left.args[0].op, ast.Sub):
+        parts, setter = [conj.left.args[0].left, conj.left.args[0].right], "left right".split()
+    elif isinstance(conj, ast.Call) and (isinstance(conj.func, ast.Attribute) and conj.func.attr == "isclose" and
+                                         isinstance(conj.func.value, ast.Name) and conj.func.value.id == "math" and
+                                         "math" in names or isinstance(conj.func, ast.Name) and
+                                         conj.func.id in names & iscloses) and \
+            len(conj.args) == 2 and all(_expected_only(k.value, names) for k in conj.keywords):
+        parts, setter = conj.args, None
+    else:
+        return None
+    k = split(parts)
+    if k is None:
+        return None
+    operand, check = parts[k], ast.parse(ast.unparse(conj), mode="eval")
+    target = check.body.left.args[0] if setter else check.body
+    if setter:
+        setattr(target, setter[k], ast.Name(id="_v", ctx=ast.Load()))
+    else:
+        target.args[k] = ast.Name(id="_v", ctx=ast.Load())
+    return operand, compile(ast.fix_missing_locations(check), "<test>", "eval")
+
+
+def _plan_test(test: str) -> tuple[list, list, bool] | None:
+    """(steps for the program's process: [kind, source, pre], "exec" runs a statement there, "eval" reports the
+    values of [sources], each after running `pre`; steps here: ("set", statement) for `name = <expected-only
+    expression>`, ("check", j, checks) per top-level assert over the values of step j; whether the test is judged
+    inside). None: the test does not parse. Decided from the test's text alone.
+
+    A name set here reaches the program's process only right before the first step there that reads it (an input,
+    not an expected value: `expected = 4` then `assert f(2) == expected` must not let f return `expected`). Once a
+    step there has read it, the program may have changed it (an in-place contract: `sort_in_place(xs)`), so later
+    operands that read it are evaluated there."""
     try:
         tree = ast.parse(test)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        source = [ast.unparse(s) for s in tree.body]
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
         return None
-    names = set(_LOCAL_CALLS) | _TEST_ONLY_CALLS | {"math"}
-    not_program = set(imported)  # roots whose sandbox value is not the program's: the test's helpers, imports
-    steps, here, sets = [], [], {}
-    set_here: set[str] = set()
-
-    def touch(sources: list[str]) -> None:  # names set here that a sandbox step reads: its values from now on
-        names.difference_update(set_here & {n.id for s in sources for n in ast.walk(ast.parse(s))
-                                            if isinstance(n, ast.Name)})
-
-    for stmt in tree.body:
+    names = set(_LOCAL_CALLS) | {"math"}  # whose values this process holds
+    steps, here, sets, set_here, inside = [], [], {}, set(), False
+    iscloses = set()  # names the test gave math.isclose (`from math import isclose`)
+    body = []
+    for stmt, text in zip(tree.body, source):
+        rewritten = _clean_imports(stmt)
+        body += [(s, ast.unparse(s)) for s in rewritten] if rewritten is not None else [(stmt, text)]
+    for stmt, text in body:
         if isinstance(stmt, ast.Assert):
-            if _calls_shadowed_builtin(stmt.test, shadowed, names):
-                return None
-            leaves: list[str] = []
-            split = _GuardOps().visit(_split(stmt.test, leaves, names, set_here))
-            if not all(_program_value(ast.parse(leaf, mode="eval").body, not_program) for leaf in leaves):
-                return None
+            leaves, checks = [], []
+            for conj in _conjuncts(stmt.test):
+                each = _each_form(conj, names)
+                if each is not None:  # `all(f(x) == 2 * x for x in [1, 2])`: [f(x) for x in [1, 2]] there only
+                    program_side, op, expected, program_first = each
+                    leaves.append(program_side)
+                    checks.append(("each", op, len(leaves) - 1, expected, program_first))
+                    if set_here & _names_in([conj]):
+                        names -= set_here
+                    continue
+                tolerance = _tolerance_form(conj, names, iscloses)
+                if tolerance is not None:  # `abs(f(x) - 0.3) < 1e-9`, `math.isclose(f(x), 0.3)`: f(x) there only
+                    operand, check = tolerance
+                    leaves.append(ast.unparse(operand))
+                    checks.append(("here", check, len(leaves) - 1))
+                    if set_here & _names_in([operand]):
+                        names -= set_here
+                    continue
+                if isinstance(conj, ast.Compare):
+                    operands, trial, kinds = [conj.left, *conj.comparators], set(names), []
+                    for operand in operands:  # in Python's order: a program operand may change a name for the next
+                        kinds.append("here" if _expected_only(operand, trial) else "there")
+                        if kinds[-1] == "there" and set_here & _names_in([operand]):
+                            trial -= set_here  # read there: its value, and any alias's, may change there
+                    # `x in obj`: the container's own __contains__ answers (a class of the program's): inside
+                    contains = any(isinstance(op, (ast.In, ast.NotIn)) and kinds[i + 1] == "there"
+                                   for i, op in enumerate(conj.ops))
+                    if "here" in kinds and not contains:
+                        names, entries = trial, []
+                        for operand, kind in zip(operands, kinds):
+                            if kind == "here":
+                                code = compile(ast.fix_missing_locations(ast.Expression(operand)), "<test>", "eval")
+                                entries.append(("here", code))
+                            else:
+                                leaves.append(ast.unparse(operand))
+                                entries.append(("there", len(leaves) - 1))
+                        checks.append(("compare", [type(op).__name__ for op in conj.ops], entries))
+                        continue
+                leaves.append(f"(True if ({ast.unparse(conj)}) else False)")
+                if set_here & _names_in([conj]):
+                    names -= set_here
+                checks.append(("inside", len(leaves) - 1))
+                inside = True
             steps.append(["eval", leaves, []])
-            expr = ast.fix_missing_locations(ast.Expression(split))
-            here.append(("check", len(steps) - 1, compile(expr, "<test>", "eval"), len(leaves)))
+            here.append(("check", len(steps) - 1, checks))
             continue
-        steps.append(["exec", ast.unparse(stmt), []])
-        if isinstance(stmt, ast.Import) and [(a.name, a.asname) for a in stmt.names] == [("math", None)]:
-            continue  # math here is our own
-        if isinstance(stmt, ast.ImportFrom) and stmt.module == "math" and all(
-                a.name in _LOCAL_MATH and a.asname is None for a in stmt.names):
-            for a in stmt.names:  # `from math import isclose`: math's isclose, here
-                here.append(("set", compile(f"{a.name} = math.{a.name}", "<test>", "exec")))
-                names.add(a.name)
-                not_program.discard(a.name)
-            continue
-        stored = _bound_names(stmt)
+        inside = inside or any(isinstance(n, ast.Assert) for n in ast.walk(stmt))  # in a loop, a helper
+        steps.append(["exec", text, []])
         simple = isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-        if simple and _test_only(stmt.value, names):
+        if simple and _expected_only(stmt.value, names):
+            name = stmt.targets[0].id
+            if ast.unparse(stmt.value) == "math.isclose":
+                iscloses.add(name)
+            else:
+                iscloses.discard(name)
             here.append(("set", compile(ast.Module([stmt], []), "<test>", "exec")))
-            names.add(stmt.targets[0].id)
-            set_here.discard(stmt.targets[0].id)
+            names.add(name)
+            set_here.discard(name)
             if any(isinstance(n, _MUTABLE_NODES) or isinstance(n, ast.Name) and n.id in set_here
                    for n in ast.walk(stmt.value)):  # a list, dict, set (or an alias of one): a call may change it
-                set_here.add(stmt.targets[0].id)
-            not_program.discard(stmt.targets[0].id)
-            sets[len(steps) - 1] = stmt.targets[0].id
+                set_here.add(name)
+            sets[len(steps) - 1] = name
             continue
-        touch([steps[-1][1]])
-        names -= stored
-        set_here -= stored
-        # `result = f(2)`: the program's answer under a name; `ok = f(2) == 4`, a `def`, an import: not
-        if isinstance(stmt, ast.Assign) and _program_value(stmt.value, not_program):
-            not_program -= stored
-        else:
-            not_program |= stored
-    if not any(h[0] == "check" for h in here):
-        return None
+        if set_here & _names_in([stmt]):  # a list the test made, read there: it (and `ys = xs`) may change there
+            names -= set_here
+        names -= _bound_names(stmt)
+        set_here -= _bound_names(stmt)
+    if not body or not isinstance(body[-1][0], ast.Assert):
+        inside = True  # that its last statements ran without raising is the program's process's word
     _defer_sets(steps, sets)
-    return steps, here
+    return steps, here, inside
 
 
 def _defer_sets(steps: list, sets: dict[int, str]) -> None:
-    """Move each test-only assignment to the `pre` of the first later sandbox step that reads its name (drop it
+    """Move each expected-only assignment to the `pre` of the first later step there that reads its name (drop it
     where a step rebinds the name first, or none reads it)."""
     for k, name in reversed(list(sets.items())):  # the last first: an earlier one may be read by its source
         source, steps[k] = steps[k][1], ["exec", "pass", []]
@@ -1566,29 +1473,76 @@ def _defer_sets(steps: list, sets: dict[int, str]) -> None:
                 break
 
 
-def _top_level_names(program: str) -> tuple[set[str], set[str]]:
-    """Names the program defines at module level, and those it imports."""
-    defined, imported = set(), set()
-    for node in ast.parse(program).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                defined.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-    return defined, imported
+_COMPARE = {"Eq": lambda a, b: a == b, "NotEq": lambda a, b: a != b, "Lt": lambda a, b: a < b,
+            "LtE": lambda a, b: a <= b, "Gt": lambda a, b: a > b, "GtE": lambda a, b: a >= b,
+            "Is": lambda a, b: a is b, "IsNot": lambda a, b: a is not b, "In": lambda a, b: a in b,
+            "NotIn": lambda a, b: a not in b}
+
+
+def _check_namespace() -> dict:
+    """Where a test's expected operands are evaluated: builtins and math, never the program's."""
+    return {"__builtins__": {}, "math": pymath, **_LOCAL_CALLS}
+
+
+def _judge(checks: list, values: list, namespace: dict) -> str:
+    """-> "pass", "fail", "too_large" or "not_plain" for one assert's checks on its reported values."""
+    verdict = "pass"
+    for check in checks:
+        try:
+            if check[0] == "here":  # a float check computed here on the program's plain value (_tolerance_form)
+                value = values[check[2]]
+                if isinstance(value, _Raised):
+                    raise value
+                if type(value) not in (int, float, complex):  # plain numbers only: no arithmetic on the rest
+                    return "not_plain" if isinstance(value, _NotPlain) else "fail"
+                if eval(check[1], {**namespace, "_v": value}) is not True:
+                    return "fail"
+                continue
+            if check[0] == "each":  # _each_form: the program's side for each item, against the expected side's
+                _, op, k, code, program_first = check
+                got, wanted = values[k], eval(code, namespace)
+                if isinstance(got, _Raised):
+                    raise got
+                if type(got) is not list or len(got) != len(wanted):
+                    return "not_plain" if isinstance(got, _NotPlain) else "fail"
+                for a, b in zip(got, wanted) if program_first else zip(wanted, got):
+                    if _COMPARE[op](a, b) is not True:
+                        return "not_plain" if isinstance(a if program_first else b, _NotPlain) else "fail"
+                continue
+            if check[0] == "inside":
+                value = values[check[1]]
+                if isinstance(value, _Raised):
+                    raise value
+                if value is not True:
+                    return "fail"
+                continue
+            operands = []
+            for where, what in check[2]:
+                operands.append(eval(what, namespace) if where == "here" else values[what])
+                if isinstance(operands[-1], _Raised):
+                    raise operands[-1]
+            for op, left, right in zip(check[1], operands, operands[1:]):
+                if _COMPARE[op](left, right) is not True:
+                    return "not_plain" if any(isinstance(v, _NotPlain) for v in operands) else "fail"
+        except _TooLarge:
+            return "too_large"
+        except Exception:  # raised there, or here (a test-only operand that raises, `<` on what is not plain)
+            return "not_plain" if any(isinstance(v, _NotPlain) for v in values) else "fail"
+    return verdict
 
 
 class _Channel:
-    """Both ends of the conversation with the harness: one JSON line each way, every wait bounded by the run's
-    deadline, every report by _MAX_BYTES, all of them together by _MAX_RUN_BYTES (past it: closed, too_large)."""
+    """The caller's ends of the conversation with the harness: requests out; reports (from a test's process: any line
+    may be the program's) and control lines (the harness's alone) in. Every wait is bounded by the run's deadline,
+    a line by _MAX_BYTES, all of them together by _MAX_RUN_BYTES (past it: closed, too_large)."""
 
-    def __init__(self, req: int, rep: int, deadline: float):
-        self.req, self.rep, self.deadline = req, rep, deadline
-        self.pending, self.received, self.closed, self.too_large = bytearray(), 0, False, False
-        os.set_blocking(req, False)
-        os.set_blocking(rep, False)
+    def __init__(self, req: int, rep: int, ctl: int, deadline: float):
+        self.req, self.rep, self.ctl, self.deadline = req, rep, ctl, deadline
+        self.pending, self.scanned = {rep: bytearray(), ctl: bytearray()}, {rep: 0, ctl: 0}
+        self.received, self.closed, self.too_large, self.dirty = 0, False, False, False
+        self.nodes = [_MAX_RUN_NODES]  # values decoded in this response, counted down (_decode_values)
+        for fd in (req, rep, ctl):
+            os.set_blocking(fd, False)
 
     def send(self, message: list) -> bool:
         data = (json.dumps(message) + "\n").encode()
@@ -1605,103 +1559,107 @@ class _Channel:
                 self.closed = True
         return not self.closed
 
-    def receive(self) -> Any:
-        """The next line, decoded as JSON (None: the harness is gone, the run ran out of time or bytes)."""
-        end = self.pending.find(b"\n")
-        while end < 0 and not self.closed:
-            left = self.deadline - time.monotonic()
-            if len(self.pending) > _MAX_BYTES + 4096 or self.received > _MAX_RUN_BYTES:
+    def _read(self, fd: int) -> int:
+        """Bytes read (0: none there now; -1: the end of the pipe)."""
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            chunk = b""
+        self.pending[fd] += chunk
+        self.received += len(chunk)
+        return len(chunk) or -1
+
+    def _line(self, fd: int) -> Any:
+        end = self.pending[fd].find(b"\n", self.scanned[fd])  # only the bytes not looked at yet: linear time
+        if end < 0:
+            self.scanned[fd] = len(self.pending[fd])
+            return None
+        line = bytes(self.pending[fd][:end])
+        del self.pending[fd][:end + 1]
+        self.scanned[fd] = 0
+        try:
+            return json.loads(line.decode("utf-8", "surrogatepass"))
+        except (ValueError, RecursionError):
+            return ["malformed"]
+
+    def next(self) -> tuple[str, Any] | None:
+        """("report", line) or ("control", line), reports first; None: the harness is gone, or the run ran out of
+        time or bytes."""
+        while not self.closed:
+            line = self._line(self.rep)
+            if line is not None:
+                return "report", line
+            if len(self.pending[self.rep]) > _MAX_BYTES + 4096 or self.received > _MAX_RUN_BYTES:
                 self.closed = self.too_large = True
                 break
-            if left <= 0 or not select.select([self.rep], [], [], left)[0]:
+            line = self._line(self.ctl)
+            if line is not None:
+                while self._read(self.rep) > 0 and len(self.pending[self.rep]) <= _MAX_BYTES + 4096:
+                    pass  # what the test wrote before it ended is read before the harness's word that it did
+                if b"\n" in self.pending[self.rep]:
+                    self.pending[self.ctl][:0] = json.dumps(line).encode() + b"\n"
+                    self.scanned[self.ctl] = 0
+                    continue
+                return "control", line
+            left = self.deadline - time.monotonic()
+            ready = select.select([self.rep, self.ctl], [], [], left)[0] if left > 0 else []
+            if not ready:
                 self.closed = True
-                break
-            try:
-                chunk = os.read(self.rep, 1 << 20)
-            except BlockingIOError:
-                continue
-            except OSError:
-                chunk = b""
-            self.closed = not chunk
-            if chunk.find(b"\n") >= 0:  # looked for in the new bytes only: a long report is read in linear time
-                end = len(self.pending) + chunk.find(b"\n")
-            self.pending += chunk
-            self.received += len(chunk)
-        if end < 0 or self.received > _MAX_RUN_BYTES:  # past the run's budget: this report and all after it
-            self.too_large = self.too_large or end >= 0
-            self.closed = True
-            return None
-        line, self.pending = bytes(self.pending[:end]), self.pending[end + 1:]
-        try:
-            return json.loads(line)
-        except (ValueError, RecursionError):  # not the harness's: nothing after it can be trusted either
-            self.closed = True
-            return None
+            for fd in (self.rep, self.ctl):
+                if fd in ready and self._read(fd) < 0 and fd == self.ctl:
+                    self.closed = True  # the harness is gone (its control pipe's only writer)
+        return None
 
 
-def _run_test(plan: tuple[list, list], channel: _Channel) -> str:
+def _run_test(plan: tuple, channel: _Channel) -> str:
     """One test in a fresh process of the harness: its steps one at a time, each judged as its report comes.
-    -> "pass", "fail" or "too_large"."""
-    steps, here = plan
-    namespace, h, verdict, ended = _check_namespace(), 0, "pass", False
-    if not channel.send(["test"]):
+    -> "pass", "fail", "too_large" or "not_plain"."""
+    steps, here, _ = plan
+    nonce = secrets.token_hex(16)
+    namespace, h, verdict, ended = _check_namespace(), 0, "pass", None
+    if channel.dirty or not channel.send(["test", nonce]):
         return "too_large" if channel.too_large else "fail"
-    for j, (kind, code, pre) in enumerate(steps):
+    for kind, code, pre in steps:
         if kind == "exec" and code == "pass" and not pre:
             continue
-        report = channel.receive() if channel.send([kind, code, pre]) else None
-        if not isinstance(report, list) or not report or report[0] == "done":
-            ended = isinstance(report, list) and report[:1] == ["done"]
+        got = channel.next() if channel.send([kind, code, pre]) else None
+        if got is None or got[0] == "control":  # the test's process ended, or the run did
+            ended = got
             verdict = "too_large" if channel.too_large else "fail"
             break
+        report = got[1]
+        if not isinstance(report, list) or report[:1] != [nonce]:  # not this test's: the program's writing
+            verdict = "fail"
+            break
         if kind == "exec":
-            if report != ["ok"]:  # every failed step fails its test
+            if report[1:] != ["ok"]:  # every failed step fails its test
                 verdict = "fail"
                 break
             continue
-        values = _decode_values(report[1]) if report[0] == "values" and len(report) == 2 else []
+        values = _decode_values(report[2], channel.nodes) if report[1:2] == ["values"] and len(report) == 3 else []
         while h < len(here) and here[h][0] == "set":
             exec(here[h][1], namespace)  # the test's own constant, e.g. `expected = [1, 2]`
             h += 1
-        verdict = _check(here[h], values, namespace)
+        verdict = _judge(here[h][2], values, namespace) if len(values) == len(steps[here[h][1]][1]) else "fail"
         h += 1
         if verdict != "pass":
             break
-    if not (ended or channel.send(["end", None, []]) and _reads_only(channel, ["done"])):
-        verdict = "fail"
-    # A fence: a nonce the harness echoes once this test's process is gone. A line between the test's last report
-    # and the echo (a report of a step that raised, after the program had forged its "ok" and "done") fails it.
-    nonce = secrets.token_hex(8)
-    if not (channel.send(["fence", nonce]) and _reads_only(channel, ["fenced", nonce])):
-        verdict = "too_large" if channel.too_large else "fail"
+    got = ended
+    if not ended:
+        channel.send(["end", None, []])
+        while (got := channel.next()) is not None and got[0] != "control":
+            pass  # what the test's process still writes: nothing after its last step counts
+    if got is None or got[1][:2] != ["done", nonce]:
+        return "too_large" if channel.too_large else "fail"
+    channel.dirty = got[1][2:] != [True]  # files a test left that the harness could not remove: no later test runs
     return verdict
 
 
-def _reads_only(channel: _Channel, wanted: list) -> bool:
-    """Read up to the line `wanted`: True if no other line came first (a closed channel: False)."""
-    clean = True
-    while (line := channel.receive()) is not None:
-        if line == wanted:
-            return clean
-        clean = False
-    return False
-
-
-def _check(check: tuple, values: list, namespace: dict) -> str:
-    _, _, expr, num_leaves = check
-    if len(values) != num_leaves:
-        return "fail"
-    try:
-        return "pass" if eval(expr, namespace, _Leaves((f"_v{k}", v) for k, v in enumerate(values))) else "fail"
-    except _TooLarge:
-        return "too_large"
-    except Exception:  # raised in the sandbox, or here (a type error on the program's values, a refused cost)
-        return "fail"
-
-
 def judgeable(test: str) -> bool:
-    """Whether `test` has a top-level assert this process can judge (a dataset check before training)."""
-    return _plan_test(test, set()) is not None
+    """Whether `test` can be judged at all (it parses; a dataset check before training)."""
+    return _plan_test(test) is not None
 
 
 _SLOW_LIBRARIES = frozenset({"numpy", "scipy", "sympy", "pandas", "networkx", "sortedcontainers"})
@@ -1718,33 +1676,45 @@ def _slow_imports(program: str) -> list[str]:
     return sorted({name.split(".")[0] for name in names} & _SLOW_LIBRARIES)
 
 
+def _test_imports(plans: list) -> list[str]:
+    """The modules the tests import (the harness copies them before any program runs)."""
+    found = set()
+    for plan in plans:
+        for step in plan[0] if plan else []:
+            for source in [*step[2], *(step[1] if step[0] == "eval" else [step[1]])]:
+                found.update(re.findall(r"__clean_import__\('([\w.]+)'\)", source))
+    return sorted(found)
+
+
 def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int) -> dict:
-    """Run `program` in a sandbox, each of `tests` in a fresh process of it, and judge each test here on the
-    values of its program parts. Returns {"passed", "judged", "unsupported", "too_large", "status", "seconds",
-    "stderr"}; status "sandbox_error" when the sandbox could not start (nothing was judged)."""
-    try:
-        shadowed, imported = _top_level_names(program)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        shadowed, imported = set(), set()
-    plans = [_plan_test(t, shadowed, imported) for t in tests]
-    verdict = {"passed": 0, "judged": sum(plan is not None for plan in plans), "too_large": 0,
-               "unsupported": sum(plan is None for plan in plans), "status": "unsupported", "seconds": 0.0,
-               "stderr": ""}
+    """Run `program` in a sandbox, each of `tests` in a fresh process of it, and judge each test by the contract
+    above. Returns {"passed", "judged", "judged_inside", "unsupported", "too_large", "not_plain", "status",
+    "seconds", "stderr"}; status "sandbox_error" when the sandbox could not start (nothing was judged)."""
+    plans = [_plan_test(t) for t in tests]
+    verdict = {"passed": 0, "judged": sum(plan is not None for plan in plans),
+               "judged_inside": sum(plan is not None and plan[2] for plan in plans),
+               "unsupported": sum(plan is None for plan in plans), "too_large": 0, "not_plain": 0,
+               "status": "unsupported", "seconds": 0.0, "stderr": ""}
     if not verdict["judged"]:
         return verdict
     mode = sandbox_mode()
-    harness = _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH)), 1).replace(
-        "KILL_STRAYS", repr(mode != "none"), 1).replace("PRELOAD", repr(_slow_imports(program)), 1)
+    harness = _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout), mode != "none")),
+                               1).replace("PRELOAD", repr(_slow_imports(program)), 1).replace(
+        "TEST_IMPORTS", repr(_test_imports(plans)), 1)
 
-    def converse(req: int, rep: int, deadline: float) -> list[str]:
-        channel = _Channel(req, rep, deadline)
+    def converse(req: int, rep: int, ctl: int, deadline: float) -> list[str]:
+        channel = _Channel(req, rep, ctl, deadline)
         return [_run_test(plan, channel) if plan else "unsupported" for plan in plans]
 
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
                         timeout=timeout, memory_mb=memory_mb, converse=converse, mode=mode)
     verdict.update(status=run["status"], seconds=round(run["seconds"], 3), stderr=run["stderr"][-500:])
     results = run.get("conversation") or [] if run["status"] != "output_limit" else []  # a flood fails all
-    verdict.update(passed=results.count("pass"), too_large=results.count("too_large"))
+    verdict.update(passed=results.count("pass"), too_large=results.count("too_large"),
+                   not_plain=results.count("not_plain"))
+    if verdict["judged_inside"]:
+        logger.info("code: %d of %d tests judged inside the program's process (their verdict is its word)",
+                    verdict["judged_inside"], verdict["judged"])
     return verdict
 
 

@@ -64,8 +64,9 @@ Sandbox (code, code_stdio): sandbox.py runs model-written code isolated (namespa
 a cgroup where one can be made) and decides a test's verdict in this process, on plain values the sandbox reports,
 never in the program's; its docstring says how. Without isolation here the code verifiers return
 "sandbox_unavailable" unless `allow_unsandboxed_code`; `sandbox_description()` says which mode this machine gets.
-Tests that cannot be judged outside the program are not judged: the score is over the others ("unsupported"
-counts them in the details), and a row with none is the error "unsupported_tests" (reported before training, and
+A test's asserts are judged outside the program where the test's text gives an expected value, else inside it
+(counted in the details as "judged_inside", scored all the same); a test that does not parse is not scored
+("unsupported"), and a row with none that parses is the error "unsupported_tests" (reported before training, and
 dropped, never scored 0).
 
 Usage
@@ -1382,7 +1383,7 @@ def _check_code(response: str) -> tuple[str | None, VerifierResult | None]:
 
 def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: int = 1024, budget: float | None = None,
          allow_unsandboxed_code: bool = False) -> VerifierResult:
-    """Fraction of assert statements that pass, all run in one sandboxed process and judged here.
+    """Fraction of tests that pass, each in a fresh process of one sandboxed run, judged as sandbox.py says.
 
     >>> code("```python\\ndef f(x):\\n    return 2 * x\\n```", ["assert f(2) == 4", "assert f(3) == 7"]).score
     0.5
@@ -1400,9 +1401,10 @@ def code(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: i
                                     code_memory_mb)
     if verdict["status"] == "sandbox_error":
         return _fail("sandbox_error", program[:2000], message=verdict["stderr"])
-    if not verdict["judged"]:  # no top-level assert to judge out of the program's reach: the label's fault, never a 0
-        return _fail("unsupported_tests", program[:2000], message="no test is a top-level assert statement")
-    details = {key: verdict[key] for key in ("passed", "status", "unsupported", "too_large", "seconds", "stderr")}
+    if not verdict["judged"]:  # no test parses: the label's fault, never a 0
+        return _fail("unsupported_tests", program[:2000], message="no test parses as Python")
+    details = {key: verdict[key] for key in ("passed", "status", "judged_inside", "unsupported", "too_large",
+                                             "not_plain", "seconds", "stderr")}
     return VerifierResult(verdict["passed"] / verdict["judged"], None, program[:2000],
                           details={**details, "total": len(tests)})
 
@@ -1674,7 +1676,7 @@ def row_problem(verifier: Any, label: Any) -> str | None:
             return f"gsm8k: the label holds no number ({str(part)[:100]!r})"
         tests = [t for t in _as_list(part) if isinstance(t, str) and t.strip()] if key == "code" else []
         if tests and not any(sandbox.judgeable(t) for t in tests):
-            return "no code test is a top-level assert statement (e.g. `assert f(2) == 4`): none can be judged"
+            return "no code test parses as Python (e.g. `assert f(2) == 4`): none can be judged"
     return None
 
 

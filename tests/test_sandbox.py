@@ -678,10 +678,9 @@ REPORT_ANYTHING = "import sys\nsys.modules['__main__']._enc = lambda v, depth=0:
 
 @needs_sandbox
 @pytest.mark.parametrize("program, tests", [
-    # a comparison evaluated where the program runs: inside a comprehension, a generator, a test's own helper
-    (YES_F, ["assert all([f(x) == 2 * x for x in [1, 2, 3]])"]),
+    # a comparison in a comprehension over the test's values: the program's side is computed there, the rest here
+    (YES_F, ["assert all([f(x) == 2 * x for x in [1, 2, 3]])", "assert all(2 * x == f(x) for x in [1, 2, 3])"]),
     (WRONG_F + REPORT_ANYTHING.format("['l', []]"), ["assert all(f(x) == 2 * x for x in [1, 2, 3])"]),
-    (YES_F, ["def same(a, b):\n    return a == b\nassert same(f(2), 4)"]),
     # an expected value built there (an imported class): both sides are the program's to report
     (WRONG_F + REPORT_ANYTHING.format("['n']"), ["from fractions import Fraction\nassert f(1) == Fraction(1, 2)"]),
     (WRONG_F + "import numpy as np\nnp.array_equal = lambda *a: True\n",
@@ -694,14 +693,29 @@ REPORT_ANYTHING = "import sys\nsys.modules['__main__']._enc = lambda v, depth=0:
     ("import math\nmath.isclose = lambda *a, **k: True\n" + WRONG_F,
      ["assert math.isclose(f(2), 4.0)", "from math import isclose\nassert isclose(f(3), 6.0)"]),
     (WRONG_F + "import builtins\nbuiltins.ord = lambda c: 97\n", ["assert ord(f(2)) == 97"]),
-    (YES_F, ["assert f(2).__eq__(4)"]),
+    # a class of the program's with an always-true __eq__, compared with an expected value: never equal here
+    (YES_F, ["assert f(2) == 4", "assert [f(2)] == [4]", "assert f(2) in [4]"]),
 ])
 def test_a_wrong_program_cannot_pass_through_the_shape_of_a_test(program, tests):
-    """Red-team findings: each of these wrong programs scored 1.0. A verdict is judged here only on the program's
-    answers (values of calls into what it defines); a test that needs anything else from the sandbox is not judged
-    (unsupported_tests: never a score)."""
+    """Red-team findings: each of these wrong programs scored 1.0. An expected value is computed here, never in the
+    program's process; the builtins and modules a test names are Python's own there."""
     r = verify("code", py(program), tests, code_timeout=5)
     assert r.score == 0.0, (r.error, r.details)
+
+
+@needs_sandbox
+def test_what_only_the_programs_process_can_decide_is_counted_as_judged_inside():
+    """A check with no expected operand (a comparison inside a comprehension, a helper the test defines, a dunder
+    called by hand) is the program's word: a forging program passes it, as under plain Python, and the count of
+    such tests shows the exposure. The count follows the test's text, whatever the program does."""
+    inside = ["assert any(f(x) == 2 * x for x in [1, 2, 3])", "def same(a, b):\n    return a == b\n"
+              "assert same(f(2), 4)",
+              "assert f(2).__eq__(4)"]
+    for program in (YES_F, GOOD_F, WRONG_F, "import os\nos._exit(0)"):
+        r = verify("code", py(program), inside + ["assert f(2) == 4", "assert all(f(x) == 2 * x for x in [1, 2])"],
+                   code_timeout=5)
+        assert (r.details["judged_inside"], r.details["unsupported"]) == (3, 0), r.details
+    assert verify("code", py(YES_F), inside, code_timeout=5).score == 1.0
 
 
 @needs_sandbox
@@ -712,12 +726,12 @@ def test_those_shapes_still_judge_a_right_program():
              "result = f(5)\nassert result == 10", "assert ord(chr(f(40))) == 80"]
     program = "import math\ndef abs(x):\n    return -1\n" + GOOD_F  # its own abs is no help, and no harm
     r = verify("code", py(program), tests, code_timeout=5)
-    assert (r.score, r.details["unsupported"]) == (1.0, 1), r.details  # the comprehension over f is not judged
+    assert (r.score, r.details["unsupported"], r.details["judged_inside"]) == (1.0, 0, 0), r.details
     # the test's input reaches the sandbox, its expected value does not
-    assert S._plan_test("x = 3\nwant = 6\nassert f(x) == want", set())[0] == [
+    assert S._plan_test("x = 3\nwant = 6\nassert f(x) == want")[0] == [
         ["exec", "pass", []], ["exec", "pass", []], ["eval", ["f(x)"], ["x = 3"]]]
-    # `sum(1, 2)` with the program's own `def sum`: its function or the builtin? Not judged
-    assert S._plan_test("assert sum(1, 2) == 3", {"sum"}) is None
+    # `sum(1, 2)`: Python's sum, here, whatever the program calls sum
+    assert S._plan_test("assert sum([1, 2]) == 3")[0] == [["eval", [], []]]
 
 
 @needs_sandbox
@@ -733,8 +747,9 @@ def test_the_program_cannot_make_this_process_do_its_work(program, tests):
     256 MB) or took 10-25 s (colliding hashes) outside the sandbox's limits. Judged in a fresh process, whose
     peak RSS is reset just before: in this one, memory earlier tests freed could hold the values unseen."""
     r = _drive([sys.executable], {"program": program}, tests=tests, code_timeout=5, code_memory_mb=256)["program"]
-    assert r["score"] == 0.0 and r["seconds"] < 4 and r["caller_grown_mb"] < 150, (
-        r["details"], r["seconds"], r["caller_grown_mb"])
+    # `2 ** f(1)` is computed where the program runs now, within its own time (5 s), not here
+    assert r["score"] == 0.0 and r["seconds"] < 7 and r["caller_cpu"] < 1.5 and r["caller_grown_mb"] < 150, (
+        r["details"], r["seconds"], r["caller_cpu"], r["caller_grown_mb"])
 
 
 
@@ -747,16 +762,17 @@ def test_code_judges_common_assert_forms_here():
              "assert f([2, 0, 1]) == [i for i in range(3)]", "assert str(f(['b', 'a'])).upper() == \"['A', 'B']\"",
              "assert f((1, 0)) == list((0, 1)) and f({1}) == [1]"]
     r = verify("code", py("def f(xs):\n    return sorted(xs)"), tests)
-    assert (r.score, r.details["unsupported"]) == (1.0, 0), r.details
+    # judged inside: `isinstance(..)`, and `sorted(xs)` once f(xs) may have changed xs
+    assert (r.score, r.details["unsupported"], r.details["judged_inside"]) == (1.0, 0, 2), r.details
     assert verify("code", py("def f(xs):\n    return list(xs)"), tests).score == 0.5
-    # the expected side of an assert never enters the sandbox; asserts inside a try / a loop are not judged
-    plan = S._plan_test("assert f(2) == 4 and g(3) in {5, 6}", set())
-    assert plan[0] == [["eval", ["f(2)", "g(3)"], []]]
-    assert S._plan_test("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass", set()) is None
+    # the expected side of an assert never enters the sandbox; asserts inside a try / a loop are judged inside
+    plan = S._plan_test("assert f(2) == 4 and g(3) in {5, 6}")
+    assert plan[0] == [["eval", ["f(2)", "g(3)"], []]] and plan[2] is False
+    assert S._plan_test("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass")[2] is True
     # an expected value the test keeps in a variable is computed here too: f cannot rewrite it in passing
     sneaky = py("def f(x):\n    globals()['expected'] = -1\n    return -1")
     assert verify("code", sneaky, ["expected = [1, 2]\nassert f(0) == expected", "assert f(0) == -1"]).score == 0.5
-    plan = S._plan_test("n = 3\nxs = f(n)\nassert xs == list(range(n))\nn = g()\nassert n == 2", set())
+    plan = S._plan_test("n = 3\nxs = f(n)\nassert xs == list(range(n))\nn = g()\nassert n == 2")
     assert plan[0] == [["exec", "pass", []], ["exec", "xs = f(n)", ["n = 3"]], ["eval", ["xs"], []],
                        ["exec", "n = g()", []], ["eval", ["n"], []]]
 
@@ -840,7 +856,8 @@ VERDICT_CASES = {  # name: (program, tests, score it must get)
     "reads_ahead": (READS_AHEAD, ["assert encode('hello') == 'olleh'", "assert decode('olleh') == 'hello'"], 0.0),
     "expected_from_globals": (EXPECTED_FROM_GLOBALS, ["expected = 4\nassert f(2) == expected\nassert g(expected) == 5"],
                               0.0),
-    "own_class_right": (POINT + "def f(x):\n    return P(x, 2 * x)\n",
+    "own_class_right": (POINT + "    def __eq__(self, o):\n        return (self.x, self.y) == (o.x, o.y)\n"  # as Python
+                        "def f(x):\n    return P(x, 2 * x)\n",
                         ["assert f(1) == P(1, 2)", "assert isinstance(f(1), P)", "assert f(2).y == 4"], 1.0),
     "own_class_same_repr": (SAME_REPR, ["assert f(1) == P(1, 2)"], 0.0),
     "int_of_5000_digits": ("def f(n):\n    return 7 ** n\n", ["assert f(6000) == 7 ** 6000"], 1.0),
@@ -899,23 +916,33 @@ COSTLY = {  # name: (program, tests): each the caller's work, all refused (score
                                  ["assert len(set(f(1))) == 1", "assert {*f(1)} == {1}"]),
     "power_of_three": ("def f(x):\n    return 3 if x == 1 else 9999999\n", ["assert f(1) ** f(2) * f(1) ** f(2) == 0"]),
     "product_of_two_big_ints": ("def f(x):\n    return 7 ** 3000000\n", ["assert f(1) * f(2) == 0",
-                                                                         "assert f(1) % (f(2) // 3) == 1"]),
+                                                                         "assert f(1) % (f(2) // 3) == 2"]),
     "format_width": ("def f(x):\n    return 10 ** 9\n",
                      ["assert f'{f(1):>{f(2)}}' == 'x'", "assert '%*d' % (f(1), 1) == 'x'"]),
     "sum_of_lists": ("def f(x):\n    return [[0]] * 200000\n", ["assert sum(f(1), []) == []"]),
     "repeat_a_big_list": ("def f(x):\n    return list(range(400000))\n", ["assert [f(1)] * 30000 == [f(2)] * 30000"]),
     "replace_blowup": ("def f(x):\n    return 'a' * 1000000 if x == 1 else 'b' * 1000000\n",
                        ["assert f(1).replace('', f(2)) == 'x'"]),
+    # round 4: a Fraction with huge unreduced parts (its constructor's gcd), 170,000 Fractions (summed here before)
+    "fraction_unreduced": ("from fractions import Fraction\ndef f(x):\n    q = Fraction(1, 3)\n"
+                           "    q._numerator, q._denominator = 3 ** 200000 * 7, 3 ** 200000 * 11\n    return q\n",
+                           ["assert f(1) == 0", "assert f(2) * 3 == 0"]),
+    "many_fractions": ("from fractions import Fraction\ndef f(x):\n"
+    "    return [Fraction(1, k) for k in range(1, 170000)]\n",
+                       ["assert sum(f(1)) == 0", "assert f(1) == []"]),
+    "set_of_tuples": ("def f(x):\n    return {(i, x) for i in range(330000)}\n", ["assert f(1) == set()"]),
 }
 
 
 @pytest.mark.parametrize("user", ["root", "unprivileged"])
 def test_judging_costs_the_caller_a_bounded_time_and_memory(unprivileged, user):
     """Red-team findings: values built so that judging them cost the caller 55-131 s of CPU for one response
-    (a product of many small factors, collisions tuned to the hash check, a power the guard undercounted).
+    (a product of many small factors, collisions tuned to the hash check, a power the guard undercounted), and in
+    round 4 about 70 s (a Fraction with huge unreduced parts, 170,000 Fractions). The program's arithmetic is now
+    its own (computed where it runs, within its timeout); the caller only decodes and compares plain data.
     The caller's CPU time and peak memory for each, measured in a fresh process."""
     prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
-    out = _drive(prefix, {name: program for name, (program, _) in COSTLY.items()}, tests=[], code_timeout=10,
+    out = _drive(prefix, {name: program for name, (program, _) in COSTLY.items()}, tests=[], code_timeout=4,
                  code_memory_mb=1024, per_program_tests={name: tests for name, (_, tests) in COSTLY.items()})
     for name in COSTLY:
         r = out[name]
@@ -923,6 +950,158 @@ def test_judging_costs_the_caller_a_bounded_time_and_memory(unprivileged, user):
               f"{r['seconds']:.2f} s in all")
         assert r["error"] is None and r["score"] == 0.0, (user, name, r["details"])
         assert r["caller_cpu"] < 2.0 and r["caller_maxrss_mb"] < 400, (user, name, r)
+
+
+# ---- round 4: the verdict contract (sandbox.py, "verdicts"), each class of program as an attacker or a careful
+# solver would write it; name: (program, tests, the score plain Python gives it)
+FORGE_PROTOCOL = (  # written against the old harness: its report pipe is the last argument, its fence echoed
+    "import json, os, sys\ndef f(x):\n    return 2 * x\ndef g(x):\n"
+    "    for fd in range(3, 40):\n        try:\n            os.write(fd, b'[\"ok\"]\\n[\"done\"]\\n')\n"
+    "        except OSError:\n            pass\n    req, line = int(sys.argv[-2]), b''\n"
+    "    while True:\n        byte = os.read(req, 1)\n        if not byte:\n            break\n        line += byte\n"
+    "        if byte == b'\\n':\n            m = json.loads(line)\n            line = b''\n"
+    "            if m[0] == 'fence':\n                for fd in range(3, 40):\n                    try:\n"
+    "                        os.write(fd, json.dumps(['fenced', m[1]]).encode() + b'\\n')\n"
+    "                    except OSError:\n                        pass\n                os._exit(0)\n")
+SUBCLASS_STATE = ("from collections import deque\nfrom decimal import Decimal\nclass D(deque):\n    pass\n"
+                  "class Dec(Decimal):\n    pass\ndef f(x):\n    return D([x])\ndef g(x):\n    return Dec(x)\n")
+TMP_MEMO = ("def encode(s):\n    with open('/tmp/memo', 'w') as f:\n        f.write(s)\n    return s[::-1]\n"
+            "def decode(s):\n    return open('/tmp/memo').read()\n")
+LRU = ("from collections import OrderedDict\nclass LRUCache:\n    def __init__(self, n):\n"
+       "        self.n, self.d = n, OrderedDict()\n"
+       "    def get(self, k):\n        if k not in self.d:\n            return -1\n        self.d.move_to_end(k)\n"
+       "        return self.d[k]\n"
+       "    def put(self, k, v):\n        self.d[k] = v\n        self.d.move_to_end(k)\n"
+       "        if len(self.d) > self.n:\n"
+       "            self.d.popitem(last=False)\n    def copy(self):\n        c = LRUCache(self.n)\n"
+       "        c.d = OrderedDict(self.d)\n"
+       "        return c\n")
+VECTOR = ("class V:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n    def __add__(self, o):\n"
+          "        return V(self.x + o.x, self.y + o.y)\n    def __eq__(self, o):\n"
+          "        return (self.x, self.y) == (o.x, o.y)\n"
+          "    def __lt__(self, o):\n        return (self.x, self.y) < (o.x, o.y)\n    def __abs__(self):\n"
+          "        return (self.x ** 2 + self.y ** 2) ** 0.5\n    def __getitem__(self, i):\n"
+          "        return (self.x, self.y)[i]\n"
+          "    def __contains__(self, v):\n        return v in (self.x, self.y)\n    def __bool__(self):\n"
+          "        return bool(self.x or self.y)\n")
+DLL = ("class Node:\n    def __init__(self, v):\n        self.v, self.prev, self.next = v, None, None\n"
+       "def chain(n):\n    head = cur = Node(0)\n    for i in range(1, n):\n        cur.next = Node(i)\n"
+       "        cur.next.prev = cur\n"
+       "        cur = cur.next\n    return head\ndef nested(d):\n    x = []\n    for _ in range(d):\n"
+       "        x = [x]\n    return x\n"
+       "def loop():\n    a = [1]\n    a.append(a)\n    return a\n")
+POOL = ("from multiprocessing import Pool\ndef sq(x):\n    return x * x\ndef f(xs):\n    with Pool(2) as p:\n"
+        "        return p.map(sq, xs)\n")
+CONTRACT_CASES = {
+    # wrong programs that scored on b006eb3
+    "writes_the_protocol": (FORGE_PROTOCOL, ["assert f(1) == 2\ng(1)"], 0.0),
+    "subclass_of_c_type_state": (SUBCLASS_STATE, ["assert f(2) == D([4])", "assert g(2) == Dec(4)"], 0.0),
+    "imports_the_tested_name": ("from operator import neg as f\n", ["assert f(1) == 2", "assert f(2) == 4"], 0.0),
+    "shadows_a_builtin": ("sorted = sorted\ndef f(xs):\n    return xs\n"
+    "", ["assert f(sorted([3, 1, 2])) == [3, 2, 1]"], 0.0),
+    "shared_tmp": (TMP_MEMO, ["assert encode('hello') == 'olleh'", "assert decode('olleh') == 'hello'"], 0.5),
+    "stale_alias": ("def sorted_copy(a):\n    a.sort()\n    return a\n",
+                    ["xs = [3, 1, 2]\nys = xs\nassert sorted_copy(ys) == [1, 2, 3] and xs == [3, 1, 2]"], 0.0),
+    "builtin_subclass_exact_type": ("class L(list):\n    pass\ndef f(x):\n    return L([x])\n",
+                                    ["assert type(f(1)) is list and f(1) == [1]"], 0.0),
+    "patched_math": ("import math\nmath.factorial = lambda n: 0\ndef f(n):\n    return 0\n",
+                     ["import math\nassert f(5) == math.factorial(5)"], 0.0),
+    # correct programs scored below 1 on b006eb3
+    "methods_named_like_builtins": (LRU, ["c = LRUCache(2)\nc.put(1, 1)\nc.put(2, 2)\nassert c.get(1) == 1\n"
+    "c.put(3, 3)\n"
+                                          "assert c.get(2) == -1", "c = LRUCache(1)\nc.put(1, 5)\n"
+                                          "assert c.copy().get(1) == 5"],
+                                    1.0),
+    "operators_on_own_objects": (VECTOR, ["assert V(1, 2) + V(3, 4) == V(4, 6)", "assert abs(V(3, 4)) == 5",
+                                          "assert V(1, 2) < V(2, 0)", "assert V(1, 2)[1] == 2 and 2 in V(1, 2)",
+                                          "assert not V(0, 0)",
+                                          "assert sorted([V(2, 1), V(1, 2)]) == [V(1, 2), V(2, 1)]",
+                                          "v = V(1, 2)\nassert v is v"], 1.0),
+    "builtin_types_in_checks": ("def f():\n    return {'a': 1}\n",
+                                ["assert isinstance(f(), dict)", "assert type(f()) == dict",
+                                 "assert type(f()) is dict"],
+                                1.0),
+    "repeated_equal_items": ("def f(x):\n    return [x] * 20\ndef g():\n    return [('a', 1)] * 20\n",
+                             ["assert set(f(1)) == {1}", "assert dict(g()) == {'a': 1}",
+                              "assert f(1) == [1] * 20"], 1.0),
+    "deep_or_cyclic": (DLL, ["h = chain(3)\nassert h.next.prev is h", "assert str(nested(300)).count('[') == 301",
+                             "assert nested(300) != []", "assert loop() is not None"], 1.0),
+    "large_legal_values": ("def s():\n    return 'é' * 1500000\n"
+                           "def fl():\n    return [i / 7 for i in range(400000)]\n",
+                           ["assert s() == 'é' * 1500000", "assert fl() == [i / 7 for i in range(400000)]",
+                            "assert len(s()) == 1500000"], 1.0),
+}
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_the_verdict_contract_scores_what_plain_python_scores(unprivileged, user):
+    """Red-team findings (round 4): wrong programs passed by writing the harness's protocol themselves, by hiding
+    their state where the encoder did not look (subclasses of deque, Decimal, list), by making tests "unsupported"
+    through their own names (an import, `sorted = sorted`), through /tmp shared by tests, through a stale copy of an
+    alias, through a patched math; correct programs scored below 1 for methods named like builtins' (an LRU cache's
+    get), operators and __eq__ of their own classes, isinstance / type checks, repeated items, deep or cyclic
+    values, multiprocessing.Pool, and legal values the channel undercounted (1.5M non-ASCII characters, 400,000
+    floats: the channel closed and the tests after them failed too)."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    out = _drive(prefix, {name: program for name, (program, _, _) in CONTRACT_CASES.items()}, tests=[],
+                 code_timeout=10, code_memory_mb=1024,
+                 per_program_tests={name: tests for name, (_, tests, _) in CONTRACT_CASES.items()})
+    for name, (_, _, want) in CONTRACT_CASES.items():
+        r = out[name]
+        assert (r["score"], r["error"]) == (pytest.approx(want), None), (user, name, r["details"])
+        assert r["left"] == [], (user, name, r)
+
+
+@needs_sandbox
+def test_multiprocessing_pool_under_a_cgroup():
+    """Red-team finding: a program using multiprocessing.Pool failed (its functions were pickled by a __main__ that
+    was the harness). Under a cgroup only: without one a run has 4 processes and threads in all, and a Pool's
+    workers and helper threads need more (not fixed: see README)."""
+    S._sandbox_mode()
+    if not S._SANDBOX.get("cgroup"):
+        pytest.skip("no cgroup here")
+    r = verify("code", py(POOL), ["assert f([1, 2, 3]) == [1, 4, 9]"], code_timeout=10)
+    assert (r.score, r.error) == (1.0, None), r.details
+
+
+SYSCALLS = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+            "NR = {'x86_64': {'perf_event_open': 298, 'fanotify_init': 300, 'userfaultfd': 323, 'io_setup': 206,\n"
+            "                 'inotify_init1': 294},\n"
+            "      'aarch64': {'perf_event_open': 241, 'fanotify_init': 262, 'userfaultfd': 282, 'io_setup': 0,\n"
+            "                  'inotify_init1': 26}}[os.uname().machine]\n"
+            "ctx = ctypes.c_ulong(0)\nattr = (ctypes.c_char * 128)()\nattr[4] = 128\n"
+            "ARGS = {'perf_event_open': (ctypes.byref(attr), 0, -1, -1, 0), 'fanotify_init': (0, 0),\n"
+            "        'userfaultfd': (1,), 'io_setup': (64, ctypes.byref(ctx)), 'inotify_init1': (0,)}\n"
+            "def refused(name):\n    ctypes.set_errno(0)\n    r = libc.syscall(ctypes.c_long(NR[name]), *ARGS[name])\n"
+            "    return r == -1 and ctypes.get_errno() == errno.EPERM\n")
+INODES = ("import os\ndef files(d):\n    n = 0\n    try:\n        while n < 40000:\n"
+          "            os.close(os.open(f'{d}/f{n}', os.O_CREAT | os.O_WRONLY))\n            n += 1\n"
+          "    except OSError:\n        pass\n    return n\n")
+TRACE = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+         "def trace(pid):\n    if libc.ptrace(0x4206, pid, 0, 0) == 0:  # PTRACE_SEIZE\n        return 'traced'\n"
+         "    return os.strerror(ctypes.get_errno())\n"
+         "def fds(pid):\n    try:\n        return len(os.listdir(f'/proc/{pid}/fd'))\n    except OSError:\n"
+         "        return -1\n")
+ISOLATION_CASES = {
+    "syscalls_refused": (SYSCALLS, [f"assert refused({n!r})" for n in
+                                    ("perf_event_open", "fanotify_init", "userfaultfd", "io_setup",
+                                     "inotify_init1")], 1.0),
+    "tmpfs_inodes_bounded": (INODES, ["assert files('/tmp') <= 16384", "assert files('/dev/shm') <= 1024"], 1.0),
+    "harness_not_traceable": (TRACE, ["assert trace(os.getppid()) != 'traced' and fds(os.getppid()) == -1"], 1.0),
+}
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_inodes_inotify_aio_perf_userfaultfd_and_tracing_are_refused(unprivileged, user):
+    """Red-team findings (round 4): without a cgroup a million empty files on the sandbox's tmpfs (1.5 GB of kernel
+    memory) and 128 inotify queues (1 GB) outside the budget; perf_event_open, fanotify_init, userfaultfd and
+    io_setup allowed (one run held 61,440 of the host's 65,536 AIO slots); with no Yama the program could ptrace
+    the harness (and read its descriptors)."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    out = _drive(prefix, {name: program for name, (program, _, _) in ISOLATION_CASES.items()}, tests=[],
+                 code_timeout=10, per_program_tests={name: tests for name, (_, tests, _) in ISOLATION_CASES.items()})
+    for name, (_, _, want) in ISOLATION_CASES.items():
+        assert (out[name]["score"], out[name]["error"]) == (want, None), (user, name, out[name]["details"])
 
 
 KEYS = ("import ctypes, os, sys\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"

@@ -952,15 +952,20 @@ def test_batch_1000_mixed_rows():
 
 
 @needs_sandbox
-def test_code_tests_that_cannot_be_judged_outside_the_program_are_never_a_silent_zero():
-    """Asserts inside a function or a loop cannot be judged out of the program's reach: the score is over
-    the top-level ones, and a row with none is an error (dropped and counted by a trainer, reported
-    before training by row_problem), not a 0 for a correct solution."""
+def test_code_tests_judged_inside_the_program_count_and_are_never_a_silent_zero():
+    """Asserts inside a function or a loop are judged inside the program's process: scored like the others and
+    counted apart ("judged_inside"); a row whose tests do not parse is an error (dropped and counted by a trainer,
+    reported before training by row_problem), not a 0 for a correct solution."""
     program = "```python\ndef f(x):\n    return 2 * x\n```"
     humaneval_style = "def check(candidate):\n    assert candidate(2) == 4\ncheck(f)"
     r = V.code(program, [humaneval_style])
+    assert (r.score, r.error, r.details["judged_inside"]) == (1.0, None, 1), r.details
+    assert V.code(program.replace("2 * x", "x"), [humaneval_style]).score == 0.0
+    r = V.code(program, ["assert f(2) ==", "def broken("])
     assert r.error == "unsupported_tests" and not V.caused_by_response(r.error)
-    assert "top-level assert" in V.row_problem("code", [humaneval_style])
+    assert "parses" in V.row_problem("code", ["assert f(2) =="])
     assert V.row_problem("code", ["assert f(2) == 4"]) is None
-    mixed = V.code(program, ["for i in range(3):\n    assert f(i) == 2 * i", "assert f(2) == 4", "assert f(3) == 7"])
-    assert mixed.error is None and mixed.score == 0.5 and mixed.details["unsupported"] == 1
+    mixed = V.code(program, ["for i in range(3):\n    assert f(i) == 2 * i", "assert f(2) == 4", "assert f(3) == 7",
+                             "assert f(("])
+    assert mixed.error is None and mixed.score == 2 / 3 and mixed.details["unsupported"] == 1, mixed.details
+    assert mixed.details["judged_inside"] == 1
