@@ -8,8 +8,9 @@ GPU := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
 REQUIREMENTS := $(if $(GPU),requirements.txt,requirements-cpu.txt)
 DEMO_DIR ?= demo_output
 DEMO_TOOLS_DIR ?= demo_tools_output
+DEMO_REAL_DIR ?= demo_real_output
 
-.PHONY: venv test test-fast demo demo-tools bench clean
+.PHONY: venv test test-fast demo demo-tools demo-real bench clean
 
 venv: $(VENV)/.installed
 
@@ -39,8 +40,11 @@ demo: venv
 demo-tools: venv
 	DEMO_DIR=$(DEMO_TOOLS_DIR) PYTHON=$(PY) bash demo_tools.sh
 
+demo-real: venv
+	DEMO_DIR=$(DEMO_REAL_DIR) PYTHON=$(PY) bash demo_real.sh
+
 bench: venv
 	PYTHON=$(PY) bash bench_infra.sh
 
 clean:
-	rm -rf $(DEMO_DIR) $(DEMO_TOOLS_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) $(DEMO_TOOLS_DIR) $(DEMO_REAL_DIR) .pytest_cache
