@@ -438,7 +438,7 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
               "mean_response_tokens": sum(len(tokenizer(t).input_ids) for t in greedy) / max(len(greedy), 1),
               "engine_start_s": round(start_s, 1)}
     if num_samples > 0:
-        sampled = texts(SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples, seed=seed))
+        sampled = texts(SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples))  # LLM(seed)
         repeated = [row for row in rows for _ in range(num_samples)]
         result["sampled"] = summarize(score_responses(repeated, sampled))
         result.update(num_samples=num_samples, temperature=temperature)
@@ -465,7 +465,8 @@ def sample_pairs(model_dir: str, rlvr_path: str, out_path: str, num_prompts: int
     rows = random.Random(seed).sample(rows, min(num_prompts, len(rows)))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     llm = start_engine(model_dir, seed, enforce_eager)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples, seed=seed)
+    # no per-request seed: vLLM CPU 0.32 can fail with one ("CPU Generator does not use offset"); LLM(seed) seeds
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples)
     outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=False)
     counts = collections.Counter()
     with open(out_path, "w") as f:
