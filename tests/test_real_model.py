@@ -8,6 +8,7 @@ import ast
 import collections
 import json
 import os
+import random
 import threading
 import time
 
@@ -51,7 +52,7 @@ def test_task_rows_are_ifevalg_rows_and_the_held_out_split_is_unseen():
 def test_each_constraint_can_be_followed_as_its_sentence_asks():
     """The sentence a prompt shows and the check its label names agree: an answer written to the sentence scores 1
     (the drawn kwargs are the ones the sentence states)."""
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     answers = {
         "no_comma": lambda kw: "A calm sea and a quiet shore.",
         "lowercase": lambda kw: "the sea was calm and the shore was quiet today.",
@@ -97,7 +98,7 @@ def test_task_rows_load_and_tokenize_as_grpo_reads_them(tmp_path, toy_model_dir)
 
 
 def test_summary_counts_prompt_and_instruction_level():
-    rows = [real_model.make_row(__import__("random").Random(0), "Describe the sea.", ["no_comma", "lowercase"])]
+    rows = [real_model.make_row(random.Random(0), "Describe the sea.", ["no_comma", "lowercase"])]
     calm = "the sea was calm and the shore was quiet today."
     scored = real_model.score_responses(rows * 3, [calm, calm.capitalize(), calm.capitalize().replace(" and", ", and")])
     summary = real_model.summarize(scored)
@@ -211,7 +212,7 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     head = grpo.install_chunked_head(model, 4096)
     assert head.weight is model.get_input_embeddings().weight  # the learner's tie survives the swap
-    row = real_model.make_row(__import__("random").Random(0), "Write a short poem about the sea.", ["lowercase"])
+    row = real_model.make_row(random.Random(0), "Write a short poem about the sea.", ["lowercase"])
     prompt = chat_template.tokenize_prompt(tokenizer, row["messages"])
     probe_ids = prompt + tokenizer("the sea is calm tonight and the waves are slow.").input_ids
     args = _args(max_prompt_length=128, max_response_length=48, num_samples_per_prompt=4, temperature=1.0)
@@ -292,7 +293,7 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
 
 
 def test_delta_pairs_contrast_a_followed_answer_with_the_worst():
-    row = real_model.make_row(__import__("random").Random(0), "Describe the sea.", ["no_comma", "lowercase"])
+    row = real_model.make_row(random.Random(0), "Describe the sea.", ["no_comma", "lowercase"])
     calm = "the sea was calm and the shore was quiet today."
     worst, middle = calm.capitalize().replace(" and", ", and"), calm.capitalize()
     pair = real_model.delta_pair(row, [middle, calm, worst])
