@@ -17,8 +17,9 @@ TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 DEMO_DIR ?= demo_output
 DEMO_TOOLS_DIR ?= demo_tools_output
+DEMO_REAL_DIR ?= demo_real_output
 
-.PHONY: venv test test-fast demo demo-tools bench clean
+.PHONY: venv test test-fast demo demo-tools demo-real bench clean
 
 venv: $(VENV)/.installed
 
@@ -63,8 +64,11 @@ demo: venv
 demo-tools: venv
 	DEMO_DIR=$(DEMO_TOOLS_DIR) PYTHON=$(PY) bash demo_tools.sh
 
+demo-real: venv
+	DEMO_DIR=$(DEMO_REAL_DIR) PYTHON=$(PY) bash demo_real.sh
+
 bench: venv
 	PYTHON=$(PY) bash bench_infra.sh
 
 clean:
-	rm -rf $(DEMO_DIR) $(DEMO_TOOLS_DIR) .pytest_cache
+	rm -rf $(DEMO_DIR) $(DEMO_TOOLS_DIR) $(DEMO_REAL_DIR) .pytest_cache

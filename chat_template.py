@@ -40,7 +40,12 @@ Labeling (`tokenize_messages`):
     (a missing terminator, or a correctly masked next header).
   * templates without blocks (external, unannotated Hub templates): prefix labeling. Render the
     conversation before the final assistant message with `add_generation_prompt=True` and train
-    everything after it; only the final assistant turn trains. This is the path that masks an opening
+    everything after it, up to and including its closing eos / `<|im_end|>` (not the separator
+    whitespace a template writes after it: the model stops at the terminator and never generates it).
+    Earlier assistant turns train the same way (`only_last_turn=False`) where the renders are stable:
+    the render through each turn, and its generation prompt, are prefixes of the whole conversation's
+    (a ChatML template such as SmolLM2's or Qwen2.5's); otherwise only the final turn trains and the
+    row is counted (`prefix_labeling_last_turn_only`). This is the path that masks an opening
     `<think>` added by a generation prompt (the known bug; tests show both behaviours).
   * a token trains when its first character lies inside a block. A token straddling a block start
     (e.g. the header's `\\n` merged with a leading `\\n` of the content) is therefore not trained: at
@@ -590,9 +595,12 @@ def _label_conversation(tokenizer, messages, tools=None, template=None, only_las
             raise DroppedRow("prompt_not_prefix", "the generation prompt does not start the final turn")
         if len(full) == len(prompt):
             raise DroppedRow("empty_completion")
-        ranges = [(len(prompt), len(full))]
-        if not only_last_turn and warnings is not None and sum(m.get("role") == "assistant" for m in messages) > 1:
-            warnings["prefix_labeling_last_turn_only"] += 1
+        ranges = [(len(prompt), _end_at_terminator(full, len(prompt), len(full), eos))]
+        if not only_last_turn and sum(m.get("role") == "assistant" for m in messages) > 1:
+            earlier = _earlier_turn_ranges(template, messages, tools, special, full, eos)
+            if earlier is None and warnings is not None:
+                warnings["prefix_labeling_last_turn_only"] += 1
+            ranges = (earlier or []) + ranges
         if warnings is not None and "<think>" in prompt[len(before):]:
             warnings["prefix_labeling_masks_think"] = 1  # per row (a pair's two sides count once); the known bug
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -649,6 +657,38 @@ def _review_external_blocks(template, messages, tools, special, full, ranges, wa
                 _log_once("an assistant message's tool calls render outside its generation blocks: they do not "
                           "train (the tokenize summary names the rows)")
                 break
+
+
+def _end_at_terminator(text: str, start: int, end: int, eos: str) -> int:
+    """End of a prefix-labeled turn: a turn that closes with eos or `<|im_end|>` followed only by whitespace
+    (ChatML's separator newline, which the template writes and the model never generates: it stops at the
+    terminator) trains through the terminator; other turns keep their end."""
+    body = text[start:end].rstrip()
+    for terminator in filter(None, (eos, IM_END)):
+        if body.endswith(terminator):
+            return start + len(body)
+    return end
+
+
+def _earlier_turn_ranges(template, messages, tools, special, full, eos) -> list | None:
+    """Prefix labeling of every assistant turn before the final one: each trains from the end of its generation
+    prompt to the end of its own render, as the final turn does. Only where the renders are stable (the render
+    through a turn and its generation prompt are prefixes of the full one, so the turn's text is exactly what the
+    conversation holds); otherwise None (e.g. a template that drops earlier turns' reasoning), and only the
+    final turn trains."""
+    ranges = []
+    for i, message in enumerate(messages[:-1]):
+        if message.get("role") != "assistant":
+            continue
+        try:
+            prompt = _render(template, messages[:i], tools, True, special)[0]
+            through = _render(template, messages[:i + 1], tools, False, special)[0]
+        except Exception:  # noqa: BLE001 - a template may refuse a conversation cut short (raise_exception)
+            return None
+        if not (through.startswith(prompt) and full.startswith(through)) or len(through) == len(prompt):
+            return None
+        ranges.append((len(prompt), _end_at_terminator(through, len(prompt), len(through), eos)))
+    return ranges
 
 
 def _token_starts(offset_mapping) -> list[int]:

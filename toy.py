@@ -208,9 +208,9 @@ def generate_data(seed: int = 0, num_sft: int = 8000, num_preference: int = 2000
     return splits
 
 
-def write_data(out_dir: str, **kwargs) -> dict:
+def write_splits(out_dir: str, splits: dict[str, list[dict]]) -> dict[str, str]:
+    """Each split as OUT_DIR/<name>.jsonl (keys sorted: same rows, same bytes); returns name -> path."""
     os.makedirs(out_dir, exist_ok=True)
-    splits = generate_data(**kwargs)
     paths = {}
     for name, rows in splits.items():
         paths[name] = os.path.join(out_dir, f"{name}.jsonl")
@@ -218,6 +218,10 @@ def write_data(out_dir: str, **kwargs) -> dict:
             for row in rows:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
     return paths
+
+
+def write_data(out_dir: str, **kwargs) -> dict:
+    return write_splits(out_dir, generate_data(**kwargs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,14 +649,7 @@ def generate_tool_data(seed: int = 0, num_sft: int = 8000, num_rlvr: int = 2000,
 
 
 def write_tool_data(out_dir: str, **kwargs) -> dict:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {}
-    for name, rows in generate_tool_data(**kwargs).items():
-        paths[name] = os.path.join(out_dir, f"{name}.jsonl")
-        with open(paths[name], "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
-    return paths
+    return write_splits(out_dir, generate_tool_data(**kwargs))
 
 
 CALL_BLOCK = re.compile(r"<function_calls>(.*?)</function_calls>", re.S)

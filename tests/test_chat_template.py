@@ -227,6 +227,35 @@ def test_prefix_labeling_trains_only_final_turn_and_checks_prefix(tok):
         ct.tokenize_messages(tok, [USER, {"role": "assistant", "content": "12"}], chat_template=think)
 
 
+# A Hub-style ChatML template without generation blocks (SmolLM2's and Qwen2.5's shape): every turn ends with
+# '<|im_end|>\n'; with `drop_reasoning` earlier assistant turns lose their <think> part (Qwen3's shape), so a
+# turn renders differently once later messages follow it.
+def chatml(drop_reasoning=False):
+    content = ("m['content'].split('</think>')[-1] if (not loop.last and '</think>' in m['content']) "
+               "else m['content']") if drop_reasoning else "m['content']"
+    return ("{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + (" + content + ") + '<|im_end|>\\n' -}}"
+            "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_prefix_labeling_trains_each_turn_through_im_end_not_the_newline(tok):
+    """Without generation blocks, each assistant turn trains its content and its closing <|im_end|>: not the
+    header, not the separator newline after <|im_end|> (the model stops at the terminator; the newline is never
+    generated). Earlier turns train too where the renders are stable; where a later message changes how a turn
+    renders (reasoning dropped from earlier turns), only the final turn trains and the row is counted."""
+    conv = [USER, {"role": "assistant", "content": "12"}, {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "13"}]
+    warnings = collections.Counter()
+    out = ct.tokenize_messages(tok, conv[:2], chat_template=chatml(), warnings=warnings)
+    assert trained_spans(tok, out) == ["12<|im_end|>"] and not warnings
+    out = ct.tokenize_messages(tok, conv, chat_template=chatml(), warnings=warnings)
+    assert trained_spans(tok, out) == ["12<|im_end|>", "13<|im_end|>"] and not warnings
+    out = ct.tokenize_messages(tok, conv, chat_template=chatml(), only_last_turn=True)
+    assert trained_spans(tok, out) == ["13<|im_end|>"]
+    thinking = [USER, {"role": "assistant", "content": "<think>7+5</think>12"}] + conv[2:]
+    out = ct.tokenize_messages(tok, thinking, chat_template=chatml(drop_reasoning=True), warnings=warnings)
+    assert trained_spans(tok, out) == ["13<|im_end|>"] and warnings["prefix_labeling_last_turn_only"] == 1
+
+
 def test_token_straddling_block_start_is_not_trained(tok):
     template = ("{%- for m in messages -%}{%- if m['role'] == 'user' -%}{{- m['content'] + '\\n' -}}{%- else -%}"
                 "{{- 'box' -}}{%- generation -%}{{- 'ed{' + m['content'] + '}' + eos_token -}}{%- endgeneration -%}"

