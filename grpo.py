@@ -71,14 +71,14 @@ import torch.distributed as dist
 try:
     from vllm.distributed.weight_transfer import (ParamMeta, WeightSource, WeightTransferEngineFactory,
                                                   WeightTransferTrainerFactory)
-    from vllm.distributed.weight_transfer.base import materialize_full_tensor
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, materialize_full_tensor
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
-                                                              NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
+                                                              NCCLWeightTransferEngine)
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 except ImportError:  # the learner alone (bench_learner.py on a GPU machine without vLLM) imports this file too
     WeightTransferEngineFactory = WeightTransferTrainerFactory = None
     NCCLTrainerInitInfo = NCCLTrainerWeightTransferEngine = NCCLWeightTransferEngine = WeightSource = object
-    NCCLWeightTransferInitInfo = object
+    TrainerInitInfo = WeightTransferInitInfo = object
 
 
 
@@ -170,12 +170,13 @@ class Args:
     batching: str = field(default="continuous", metadata={
         "help": "'continuous' (keep the engine full) or 'static' (one batch at a time; the ablation)."})
     # Off: an engine drains, then loads; learner 0 sends weights only when an engine asks for them (every prompt
-    # it holds needs newer ones), when they are async_steps versions old, and before an evaluation
+    # it holds needs newer ones), when they are async_steps versions old, and before an evaluation, and then only
+    # once every engine has drained (Link.drain_engines)
     inflight_updates: bool = field(default=True, metadata={
         "help": "Load new weights between two engine steps without draining (Olmo 3)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "GPU memory fraction for vLLM (CPU: VLLM_CPU_KVCACHE_SPACE, default 1 GiB)."})
+        "help": "GPU memory share per engine; one GPU: at most what the learner leaves (CPU: 1 GiB of KV cache)."})
     enforce_eager: bool = field(default=False, metadata={
         "aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
     pack_length: int = field(default=0, metadata={
@@ -327,6 +328,13 @@ def admissible(prompt: dict, version: int | None, release: int) -> bool:
         return False
     mv = prompt.get("min_version")
     return mv is None or version >= mv or prompt["index"] < release
+
+
+def loads_inflight(args: Args) -> bool:
+    """Inflight updates (Olmo 3 sec 4.5; continuous batching only): an engine loads new weights between any two
+    steps, its running requests keeping their KV cache. Otherwise (drained updates, static batches) an engine loads
+    only once nothing runs, and learner 0 sends only once every engine has drained (Link.drain_engines)."""
+    return args.inflight_updates and args.batching != "static"
 
 
 def grpo_loss(new_logprobs, old_logprobs, sampling_logprobs, advantages, mask, clip_low: float, clip_high: float,
@@ -674,7 +682,8 @@ class Actor:
     engine's workers). Output: `emit(message)` for finished groups and errors.
     `run()` is the engine loop; in the colocated mode it runs in a thread."""
 
-    def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1):
+    def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1,
+                 memory_share: float | None = None):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -687,7 +696,7 @@ class Actor:
             # On CPU, vLLM without a KV-cache size reserves 92% of the NUMA node's free memory and refuses to
             # start when the page cache holds more than 8% of it: 1 GiB, unless VLLM_CPU_KVCACHE_SPACE says.
             kwargs = ({"kv_cache_memory_bytes": 1 << 30} if device == "cpu" else
-                      {"gpu_memory_utilization": args.vllm_gpu_memory_utilization})
+                      {"gpu_memory_utilization": memory_share or args.vllm_gpu_memory_utilization})
             self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id,
                            enforce_eager=args.enforce_eager,
                            max_model_len=args.max_prompt_length + args.max_response_length,
@@ -710,6 +719,7 @@ class Actor:
         self.release = -1  # training prompts with a smaller index are needed now: no version gate
         self.probe = None  # (request id, learner probe logprobs, version) while a probe runs
         self.wants = None  # drained updates: the version whose successor this engine asked for (_ask_for_weights)
+        self.drained = None  # drained updates: the version it last drained for, told learner 0 (Link.drain_engines)
         self.stats = Counter()
         self.stats_t = time.perf_counter()
         self.static_batch = math.ceil(args.num_unique_prompts_per_step / num_actors)  # prompts per static batch
@@ -734,9 +744,16 @@ class Actor:
                               ignore_eos=prompt.get("ignore_eos", False), logprobs=0, stop_token_ids=stop,
                               output_kind=RequestOutputKind.DELTA)
 
-    def _admit(self, prompt: dict):
+    def _add_request(self, rid: str, token_ids: list[int], cache_salt: str, params):
+        """A request of token ids, through vLLM 0.32's supported input path: the prompt rendered by its Renderer
+        (render_cmpl) and the result handed to add_request (raw prompts there are deprecated)."""
         from vllm import TokensPrompt
 
+        (engine_input,) = self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=token_ids,
+                                                                      cache_salt=cache_salt)])
+        self.engine.add_request(rid, engine_input, params)
+
+    def _admit(self, prompt: dict):
         gid = f"{prompt['kind']}-{prompt['index']}"
         self.groups[gid] = {"meta": prompt, "samples": [None] * prompt["n"], "left": prompt["n"],
                             "t0": time.perf_counter()}
@@ -751,8 +768,7 @@ class Actor:
                                  "prompt_len": len(prompt["prompt_ids"]), "turn_start": 0}
             if prompt.get("tools"):  # a tool episode: what _end_turn and _continue_episodes need
                 self.pending[rid].update(rid=rid, salt=salt, mask=[], versions=[], turns=0, calls=0)
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"], cache_salt=salt),
-                                    self._sampling_params(prompt, j))
+            self._add_request(rid, prompt["prompt_ids"], salt, self._sampling_params(prompt, j))
 
     # -- tool episodes --------------------------------------------------------------------------
     def _start_tools(self):
@@ -792,8 +808,6 @@ class Actor:
         """Episodes whose tool calls answered: append the results and the next assistant header as the template
         renders them (ToolTurns: context, out of the loss), then continue the same token sequence as a new
         request. Its prefix KV is reused from the prefix cache under the episode's first salt."""
-        from vllm import TokensPrompt
-
         for key, results, kinds, seconds in self.tool_runner.finished():
             st = self.in_tools.pop(key)
             st["calls"] += len(results)
@@ -816,16 +830,14 @@ class Actor:
             st["prompt_len"] = len(meta["prompt_ids"]) + st["turn_start"]
             rid = f"{st['rid']}-turn{st['turns']}"
             self.pending[rid] = st
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(meta["prompt_ids"]) + st["tokens"],
-                                                      cache_salt=st["salt"]),
-                                    self._sampling_params(meta, st["j"], max_tokens=left - len(ids)))
+            self._add_request(rid, list(meta["prompt_ids"]) + st["tokens"], st["salt"],
+                              self._sampling_params(meta, st["j"], max_tokens=left - len(ids)))
 
     def _start_probe(self, probe_ids: list[int], learner_logprobs: list[float], version: int):
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
         rid = f"probe-{version}"  # a fresh cache salt: the probe must not hit KV cached under old weights
-        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=probe_ids, cache_salt=rid),
-                                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
+        self._add_request(rid, probe_ids, rid, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
         self.probe = (rid, learner_logprobs, version, probe_ids)
 
     def _finish_probe(self, out):
@@ -942,12 +954,11 @@ class Actor:
                 raise RuntimeError(f"actor {self.actor_id}: weight update after version {self.version} failed; the "
                                    f"engine is unusable now: {e}") from e
             self.engine.engine_core.call_utility("resume_scheduler")
-            self.stats["weight_apply_s"] += time.perf_counter() - t
+            self.stats["weight_load_s"] += time.perf_counter() - t
             self.stats["weight_loads"] += 1
         else:
             self.llm.update_weight_version(str(update["version"]))
         self.version, self.wants = update["version"], None
-        self.stats["weight_load_s"] += time.perf_counter() - t
         self.stats["updates"] += 1
         if update.get("probe_ids"):
             self._start_probe(update["probe_ids"], update["probe_logprobs"], update["version"])
@@ -964,22 +975,27 @@ class Actor:
             self._take_prompts()
             if self.in_tools:
                 self._continue_episodes()
-            if next_update is None:
+            if next_update is None or "drain" in next_update:  # a drain request holds until its update comes
                 with contextlib.suppress(queue.Empty):
                     next_update = self.updates.get_nowait()
             if next_update is not None and self._may_load_now():
                 if drain_t0 is not None:
                     self.stats["drain_s"] += time.perf_counter() - drain_t0
                     drain_t0 = None
-                self.busy_since = time.monotonic()
-                self._apply_update(next_update)
-                self.busy_since = None
-                next_update = None
+                if "drain" in next_update:  # drained updates: learner 0 sends once every engine said this
+                    if self.drained != next_update["drain"]:
+                        self.drained = next_update["drain"]
+                        self.emit({"drained": self.drained, "actor": self.actor_id})
+                else:
+                    self.busy_since = time.monotonic()
+                    self._apply_update(next_update)
+                    self.busy_since = None
+                    next_update = None
             elif next_update is not None and drain_t0 is None:  # draining: admit nothing until it loads
                 drain_t0 = time.perf_counter()
             if self.version is not None and next_update is None:
                 startable_left = self._admit_ready()
-                if not self._loads_inflight() and self.waiting and not startable_left:
+                if not loads_inflight(args) and self.waiting and not startable_left:
                     self._ask_for_weights()
             self._step_engine()
 
@@ -999,13 +1015,8 @@ class Actor:
                 else:
                     self.waiting.append(m)
 
-    def _loads_inflight(self) -> bool:
-        """Inflight updates (Olmo 3 sec 4.5; continuous batching only): between any two engine steps, running
-        requests keep their KV cache. Otherwise (drained updates, static batches) only once nothing runs."""
-        return self.args.inflight_updates and self.args.batching != "static"
-
     def _may_load_now(self) -> bool:
-        return self.version is None or self._loads_inflight() or not (self.pending or self.in_tools)
+        return self.version is None or loads_inflight(self.args) or not (self.pending or self.in_tools)
 
     def _ask_for_weights(self):
         """Departure (drained updates): an engine that must drain to load asks for new weights only when it
@@ -1094,7 +1105,10 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     actor = Actor(args, model_path, rank - num_learners, outbox.put, device, dist.get_world_size() - num_learners)
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
-    # Learner 0's first call, once it is up: the workers join its weight stream before any update.
+    # The engine is up: say so, then join learner 0's weight stream with its first call. Learner 0 opens the
+    # stream's rendezvous only once every engine said so (Link.wait_for_engines), so no engine's start time
+    # counts against vLLM's fixed store limit.
+    send_obj({"ready": rank}, learner0, groups["data"], args.startup_timeout_s)
     actor.init_weights(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
     errors = []
 
@@ -1151,7 +1165,6 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                threading.Thread(target=watchdog, daemon=True)]
     for th in threads:
         th.start()
-    outbox.put({"ready": rank})
     try:
         actor.run()
     except KeyboardInterrupt as e:  # torchrun stops this rank (learner 0 failed), maybe mid engine call
@@ -1175,7 +1188,7 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     actor.shutdown()
 
 
-def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Actor":
+def start_colocated_actor(args: Args, model_path: str, emit, device: str, memory_share: float | None) -> "Actor":
     """`python grpo.py`: the actor in a thread of the learner's process, its vLLM engine in processes of
     its own. On CPU (--cpu_affinity) the learner and the engine each get half of the cores, as torchrun
     ranks do: unpinned, the engine's busy-polling processes took CPU from the learner (its step ran
@@ -1187,7 +1200,7 @@ def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Ac
     if pin:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(engine, args.vllm_tensor_parallel_size)
         torch.set_num_threads(len(mine))
-    actor = Actor(args, model_path, 0, emit, device, 1)
+    actor = Actor(args, model_path, 0, emit, device, 1, memory_share)
     if pin:
         import psutil
 
@@ -1219,8 +1232,10 @@ class Link:
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
         self.header = {}  # of the update under way: its version and probe (vLLM's trainer engines pass none)
         self.streamed = None  # the version of the last update sent to the engines
-        self.workers_hold_update = False  # our gloo backend: the calls go once the update is in the workers
+        self.sends_at_finish = False  # the update's calls go at finish_weight_update (the backend says)
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
+        self.ready = set()  # actor ranks whose engine is up
+        self.drained = {}  # actor rank -> the last version it drained for (drained updates)
         if local_actor is None:
             for r in actor_ranks:
                 threading.Thread(target=self._receive, args=(r,), daemon=True).start()
@@ -1235,6 +1250,12 @@ class Link:
                 if "want_weights" in msg:
                     self.wants[rank] = msg["want_weights"]
                     continue
+                if "ready" in msg:
+                    self.ready.add(rank)
+                    continue
+                if "drained" in msg:
+                    self.drained[rank] = msg["drained"]
+                    continue
                 self.error = self.error or msg.get("error")
                 self.results.put(msg)
                 if "done" in msg or "error" in msg:
@@ -1243,6 +1264,24 @@ class Link:
             if not self.closing.is_set():
                 self.error = self.error or f"link to actor rank {rank}: {e}"
                 self.results.put({"error": f"link to actor rank {rank}: {e}"})
+
+    def _wait_for_actors(self, done, timeout_s: float, what: str):
+        """Wait until done() holds, at most timeout_s; an actor's error or the timeout ends the wait with an error
+        naming the actors that were waited on."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            why = self.error or (time.monotonic() > deadline and f"not in {timeout_s:.0f}s ({self.silent_actors()})")
+            if why:
+                raise RuntimeError(f"waiting for {what}: {why}")
+            time.sleep(0.05)
+
+    def wait_for_engines(self, timeout_s: float):
+        """Every actor's engine is up (its first message). Learner 0 opens the weight stream's rendezvous only after
+        this: vLLM's NCCL store waits a fixed 300 s for the workers (StatelessProcessGroup's store_timeout), less
+        than a large engine may take to start; --startup_timeout_s bounds the start instead."""
+        if self.local is None:
+            self._wait_for_actors(lambda: self.ready >= set(self.actor_ranks), timeout_s,
+                                  f"the engines to start (up: actor ranks {sorted(self.ready)})")
 
     def silent_actors(self) -> str:
         """Who a timeout waited on: each actor rank and how long since it last sent anything."""
@@ -1261,11 +1300,15 @@ class Link:
 
     # vLLM's four calls (its VLLMWeightSyncClient), made by learner 0's trainer engine; each actor makes them on its
     # LLM between two engine steps (Actor._apply_update), each once the one before returned. An update's calls
-    # travel as one message: sent at update_weights for NCCL, whose workers receive inside it; at finish for our gloo
-    # backend, whose workers then hold the whole update, so that an engine pauses for the load only, never for the
-    # wire. A call returns once sent; an actor's failure comes back as its error message.
+    # travel as one message, when the backend says (`receives_in_background`): at update_weights for NCCL, whose
+    # workers receive inside that call; at finish for our gloo backend, whose workers already hold the whole update
+    # then, so that an engine pauses for the load only, never for the wire.
+    # Departure from vLLM's clients, which block until the engine has run each call: these return once the message
+    # is sent, so send_weights returns before the engines have loaded (they load at their next step boundary). A
+    # failed load ends its actor, which reports the error; learner 0 raises it at its next pull of groups or its next
+    # update, whichever comes first: within one learner step of the update (at most --timeout_s).
     def init_weight_transfer_engine(self, init_info: dict):
-        if self.local is not None:  # the colocated actor thread has not started yet
+        if self.local is not None:  # the actor thread runs, but its engine idles until the first update (version None)
             return self.local.init_weights(init_info)
         self._post({"init_info": init_info})
 
@@ -1274,11 +1317,11 @@ class Link:
 
     def update_weights(self, update_info: dict):
         self.update = dict(self.header, update_info=update_info)
-        if not self.workers_hold_update:
+        if not self.sends_at_finish:
             self._post(self.update)
 
     def finish_weight_update(self, weight_version: str | None = None):
-        if self.workers_hold_update:  # the version and probe the update carries are self.header
+        if self.sends_at_finish:  # the version and probe the update carries are self.header
             self._post(self.update)
 
     def _post(self, msg: dict):
@@ -1293,28 +1336,40 @@ class Link:
         asked = [self.local.wants] if self.local is not None else list(self.wants.values())
         return any(v is not None and v >= self.streamed for v in asked)
 
+    def drain_engines(self, version: int, timeout_s: float):
+        """Drained updates: ask every engine to drain and wait until all have, before any byte of the update moves.
+        (With NCCL an engine receives only inside update_weights, which it calls once drained: sending earlier would
+        hold learner 0 in the broadcast, and the other learners in their gathers, under NCCL's watchdog, until the
+        slowest engine drains. Our gloo backend waits here the same way.)"""
+        self._post({"drain": version})
+        drained = (lambda: self.local.drained == version) if self.local is not None else (
+            lambda: all(self.drained.get(r) == version for r in self.actor_ranks))
+        self._wait_for_actors(drained, timeout_s, f"every engine to drain for version {version}")
+
     def send_weights(self, header: dict, transfer, timeout_s: float):
         """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
-        thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included)."""
+        thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included). Drained
+        updates first wait for every engine to drain (drain_engines)."""
         self.streamed, self.header = header["version"], {k: v for k, v in header.items() if k != "stream"}
         if not header.get("stream"):
             return self._post(self.header)
-        self.workers_hold_update = isinstance(transfer, GlooTrainerWeightTransferEngine)
+        if not loads_inflight(self.args):
+            self.drain_engines(header["version"], timeout_s)
+        self.sends_at_finish = getattr(transfer, "receives_in_background", False)  # vLLM's NCCL engine: False
         errors, done = [], threading.Event()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
         def send():
             try:
+                if device is not None:  # a new thread's current CUDA device is 0, whatever this rank's is
+                    torch.cuda.set_device(device)
                 transfer.send_weights()
             except Exception as e:
                 errors.append(e)
             done.set()
 
         threading.Thread(target=send, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not done.wait(0.05):
-            why = self.error or (time.monotonic() > deadline and f"no end in {timeout_s:.0f}s ({self.silent_actors()})")
-            if why:
-                raise RuntimeError(f"weight update to version {header['version']} abandoned: {why}")
+        self._wait_for_actors(done.is_set, timeout_s, f"the weight update to version {header['version']}")
         if errors:
             raise RuntimeError(f"weight update to version {header['version']} failed: {errors[0]}") from errors[0]
 
@@ -1522,6 +1577,7 @@ class Policy:
     bf16: bool
     pack_length: int  # tokens per packed row
     forward_tokens: int  # tokens per forward pass
+    engine_share: float | None = None  # one GPU: the colocated engine's gpu_memory_utilization (colocated_engine_share)
 
     @property
     def wire_dtype(self) -> torch.dtype:  # the weights go to the engines in the training dtype
@@ -1543,15 +1599,23 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
     # Few large matmuls beat many small ones on a GPU. On CPU one packed row per pass is faster beside a running
     # engine: batched rows trained 30% slower there (4.5 s against 3.4 s a step, toy model, 32 samples).
     forward_tokens = args.forward_tokens or (pack_length if device == "cpu" else max(pack_length, 16384))
-    plan = memory_plan(AutoConfig.from_pretrained(model_path), forward_tokens, 1, num_learners, bf16,
+    config = AutoConfig.from_pretrained(model_path)
+    plan = memory_plan(config, forward_tokens, 1, num_learners, bf16,
                        args.gradient_checkpointing, args.logprob_chunk_size, flash_attention=flash)
     if args.beta > 0:  # the frozen reference: fp32, unsharded, on every learner
         plan["reference"] = plan["weights"] * num_learners
         plan["total"] += plan["reference"]
-    line = check_memory_plan(plan,
-                             device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
-                             "--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, "
-                             "--bf16, a smaller --logprob_chunk_size")
+    available = device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    knobs = ("--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, --bf16, a smaller "
+             "--logprob_chunk_size")
+    line = check_memory_plan(plan, available, knobs)
+    engine_share = None
+    if layout.world_size == 1 and device.startswith("cuda"):  # one GPU: the engine gets what the learner leaves
+        need = engine_memory_need(ModelShape.from_config(config), plan["weights"] / 4,
+                                  args.max_prompt_length + args.max_response_length)
+        engine_share = colocated_engine_share(plan["total"], available, args.vllm_gpu_memory_utilization, need, knobs)
+        line += (f"; the colocated vLLM engine: {engine_share:.2f} of the GPU ({engine_share * available / 2**30:.1f} "
+                 f"GiB, its weights and one full-length sequence's KV cache need {need / 2**30:.1f})")
     if layout.is_main:
         print(f"[grpo] {line}", flush=True)
     attn = "flash_attention_2" if flash else "sdpa"
@@ -1581,7 +1645,38 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
     updates = args.num_training_steps * args.num_mini_batches * args.num_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 1.0 if args.lr_scheduler_type == "constant" else max(0.0, 1.0 - s / max(1, updates)))
-    return Policy(tokenizer, model, ref_model, optimizer, scheduler, autocast, bf16, pack_length, forward_tokens)
+    return Policy(tokenizer, model, ref_model, optimizer, scheduler, autocast, bf16, pack_length, forward_tokens,
+                  engine_share)
+
+
+# What a GPU holds beside the learner's plan and the engine's share: two CUDA contexts (learner and engine processes,
+# about 0.5 GiB each) and the caching allocator's slack. An estimate, not a measurement (no GPU with vLLM here).
+COLOCATED_HEADROOM_BYTES = 2 * 2**30
+
+
+def engine_memory_need(shape: ModelShape, params: float, max_model_len: int) -> int:
+    """The least a vLLM engine starts with: its bf16 weights and the KV cache of one sequence of max_model_len tokens
+    (vLLM refuses to start with less)."""
+    return int(2 * params + shape.kv_bytes_per_token(2) * max_model_len)
+
+
+def colocated_engine_share(learner_bytes: float, device_bytes: int, requested: float, engine_need: int,
+                           knobs: str) -> float:
+    """One GPU for learner and engine (`python grpo.py`): the engine's gpu_memory_utilization. vLLM reads it as a
+    share of the whole GPU and refuses to start when less than that is free, and the learner, loaded first, keeps its
+    plan's memory (weights, gradients, AdamW, compute copy, activations, logits): the engine gets what that plan
+    leaves, less COLOCATED_HEADROOM_BYTES, at most --vllm_gpu_memory_utilization. Stops the run, naming the knobs,
+    when that cannot hold the engine's weights and one full-length sequence (`engine_need`)."""
+    share = min(requested, (device_bytes - learner_bytes - COLOCATED_HEADROOM_BYTES) / device_bytes)
+    if share * device_bytes < engine_need:
+        gib = 2**30
+        raise SystemExit(
+            f"memory plan: one GPU of {device_bytes / gib:.1f} GiB cannot hold the learner ({learner_bytes / gib:.1f} "
+            f"GiB planned) and a vLLM engine beside it (at least {engine_need / gib:.1f} GiB: its weights and one "
+            f"sequence of --max_prompt_length + --max_response_length tokens; {max(share, 0) * device_bytes / gib:.1f} "
+            f"GiB left). Run learner and engine on separate GPUs (torchrun --nproc-per-node 2), or change one of: "
+            f"{knobs}, shorter sequences.")
+    return share
 
 
 def restore_training_state(latest: str, policy: Policy, num_learners: int) -> tuple[int, int]:
@@ -1640,7 +1735,7 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
     local_actor = None
     if layout.world_size == 1:
         results = queue.Queue()
-        local_actor = start_colocated_actor(args, model_path, results.put, layout.device)
+        local_actor = start_colocated_actor(args, model_path, results.put, layout.device, policy.engine_share)
         link = Link(args, [], None, local_actor, results)
     else:
         link = Link(args, layout.actor_ranks, layout.groups, None)
@@ -1659,17 +1754,35 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
 
 def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | None):
     """ALL learners: vLLM's trainer engine over the policy's weights in the training dtype (WireWeights), learner 0
-    the sender: every engine's workers join its stream here (through `link`, its client)."""
-    address, workers = os.environ.get("MASTER_ADDR", "127.0.0.1"), layout.num_actors * args.vllm_tensor_parallel_size
+    the sender: once every engine is up, it opens the stream's rendezvous at transfer_address() and every engine's
+    workers join it (through `link`, its client). The other learners only join the gathers."""
+    address, port, workers = "", 0, layout.num_actors * args.vllm_tensor_parallel_size
+    if layout.is_main:
+        link.wait_for_engines(args.startup_timeout_s)
+        address = transfer_address(layout.world_size)
     if weight_backend(layout.device) == "nccl":
-        from vllm.utils.network_utils import get_open_port
+        if layout.is_main:
+            from vllm.utils.network_utils import get_open_port
 
-        info = NCCLTrainerInitInfo(address, get_open_port(), 1 + workers, rank=layout.rank)
+            port = get_open_port()
+        info = NCCLTrainerInitInfo(address, port, 1 + workers, rank=layout.rank)
     else:
-        info = GlooTrainerInitInfo(address, 0, 1 + workers, timeout_s=max(args.timeout_s, args.startup_timeout_s),
+        info = GlooTrainerInitInfo(address, port, 1 + workers, timeout_s=max(args.timeout_s, args.startup_timeout_s),
                                    rank=layout.rank)
     return WeightTransferTrainerFactory.trainer_init(info, client=link,
                                                      source=WireWeights(policy.model, policy.wire_dtype))
+
+
+def transfer_address(world_size: int) -> str:
+    """Where the engines' workers reach learner 0's weight stream: VLLM_HOST_IP when set, else this host's outbound
+    interface (vLLM's get_ip(), as vLLM's own examples bind); 127.0.0.1 when the engine runs beside the learner.
+    (Not MASTER_ADDR: under torchrun's c10d rendezvous that is the first node's host name, maybe not learner 0's,
+    and it may resolve to an interface the other nodes cannot reach.)"""
+    if world_size == 1 and not os.environ.get("VLLM_HOST_IP"):
+        return "127.0.0.1"
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()
 
 
 def probe_ids_for(train_ds, tokenizer) -> list[int]:
@@ -1712,7 +1825,7 @@ def stream_now(args: Args, layout: Layout, link: Link | None, version: int, eval
     ones (departure, see Actor._ask_for_weights): when an engine asked, when the engines' weights would
     otherwise be async_steps versions old at the next step (the off-policy bound: an engine may load one
     step late), and before an evaluation (it measures the policy after this step). Learner 0 decides."""
-    if args.inflight_updates and args.batching != "static":
+    if loads_inflight(args):
         return True
     decision = None
     if layout.is_main:
@@ -1984,7 +2097,7 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         m["perf/peak_source"] = stats_list[-1]["peak_source"]
         m["perf/peak_flops"], m["perf/peak_memory_bandwidth"] = stats_list[-1]["peak_flops"], stats_list[-1]["peak_bw"]
     if s["weight_loads"]:  # the engines' own loading of the updates they reported this step, mean per engine
-        m["time/weight_load"] = s["weight_apply_s"] / s["weight_loads"]
+        m["time/weight_load"] = s["weight_load_s"] / s["weight_loads"]
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
     episodes = [smp for g in batch for smp in g["samples"] if "tool_turns" in smp]
@@ -2103,12 +2216,12 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
                            **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
             add_actor_totals(totals, actor_stats)
             logger.log(step + 1, metrics)
-    finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
+    finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
                eval_history, run_t0)
     return 0
 
 
-def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
+def finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
                eval_history, run_t0) -> None:
     """The final model in output_dir (HF layout, as sft.py and dpo.py leave it: the next stage points
     here), then on learner 0 the final evaluation, the summary, and shutdown."""
@@ -2128,6 +2241,7 @@ def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, po
     dispatcher.join(timeout=10)
     link.close()
     last_stats = rollouts.take_stats() + link.final_stats(layout.num_actors, timeout_s=30.0)
+    transfer.shutdown()  # the actors have stopped: the weight stream's group and store go
     add_actor_totals(totals, last_stats, loads_only=True)
     write_summary(args, totals, eval_history, run_t0, local_actor)
     pool.close()
@@ -2156,10 +2270,13 @@ def main():
     device = f"cuda:{local_rank}" if use_cuda else "cpu"
     timeout = datetime.timedelta(seconds=args.timeout_s)
     num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
+    if world_size > 1:  # roles by each node's process count, whatever order torchrun numbered the nodes in
+        rank, local_learners, store = join_run(num_learners, timeout)
+        os.environ["RANK"] = str(rank)
     is_learner = rank < num_learners
     gpus = None
     if use_cuda and world_size > 1 and not is_learner:  # this actor rank's engine: its own tensor-parallel GPUs
-        first, gpus = engine_gpus(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_learners,
+        first, gpus = engine_gpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_learners,
                                   args.vllm_tensor_parallel_size, torch.cuda.device_count())
         device = f"cuda:{first}"
     cores = None
@@ -2171,7 +2288,8 @@ def main():
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     actor_ranks = list(range(num_learners, world_size))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
@@ -2234,14 +2352,22 @@ def weight_backend(device: str) -> str:
 
 
 @dataclass(kw_only=True)
-class GlooInitInfo(NCCLWeightTransferInitInfo):
+class GlooInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join learner 0's gloo group (no NCCL packing: an update travels as one broadcast)."""
+    master_address: str
+    master_port: int
+    rank_offset: int  # the worker's rank = rank_offset + its tensor-parallel rank
+    world_size: int
     timeout_s: float = 1800.0
     update_bytes: int = 0  # every update's size: the sender's metadata, fixed for the run
 
 
 @dataclass
-class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
+class GlooTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = GLOO_BACKEND
+    master_address: str
+    master_port: int  # 0: any free port
+    world_size: int  # learner 0 and every engine worker
     timeout_s: float = 1800.0
 
 
@@ -2297,6 +2423,7 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     """Learner 0's end of our gloo backend: vLLM's NCCL trainer engine (its send_weights makes the four calls and
     checks the source against its metadata), its group and broadcast gloo's; the other learners only iterate."""
     init_info_cls = GlooTrainerInitInfo
+    receives_in_background = True  # its workers hold the whole update before their engine calls update_weights
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
@@ -2314,7 +2441,11 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                 joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
                 engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
                 joined.result()
+            engine.store = store
         return engine
+
+    def shutdown(self) -> None:
+        self.gloo = self.store = None  # the group's connections and the store's server close with them
 
     def _broadcast(self, source, meta) -> None:
         if not self.is_sender:
@@ -2742,12 +2873,47 @@ def static_waste(lengths: list[int]) -> float:
 # -------------------------------------------------------------------------------------------------
 # PLUMBING: devices and CPU cores of each rank
 # -------------------------------------------------------------------------------------------------
-def engine_gpus(rank: int, local_rank: int, local_world: int, num_learners: int, tp: int,
-                device_count: int) -> tuple[int, str]:
-    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. torchrun numbers
-    ranks node by node, so a node's learner ranks come first and take its first GPUs, one each; its actor
-    ranks follow and each takes the next `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
-    local_learners = min(max(num_learners - (rank - local_rank), 0), local_world)
+def assign_roles(procs: list[tuple[int, int]], num_learners: int) -> list[int]:
+    """The role rank of each torchrun process, given each one's (node, local rank) in torchrun's rank order: ranks
+    [0, num_learners) learn, the rest are actors. Learners take whole nodes, the largest first that still fit in what
+    is left, then the first local ranks of the next largest node; the others drive engines. So README's two-node
+    launch (a node of 8 for 8 learners, a node of 4 engines) gives the same roles whatever order the nodes join in:
+    torchrun's c10d rendezvous ignores --node-rank and numbers nodes by host name. On one node: ranks as torchrun's."""
+    sizes = Counter(node for node, _ in procs)
+    order = sorted(sizes, key=lambda n: (-sizes[n], n))
+    left, whole = num_learners, set()
+    for n in order:
+        if sizes[n] <= left:
+            whole.add(n)
+            left -= sizes[n]
+    rest = sorted((i for i, (n, _) in enumerate(procs) if n not in whole),
+                  key=lambda i: (order.index(procs[i][0]), procs[i][1]))
+    learners = sorted([i for i, (n, _) in enumerate(procs) if n in whole] + rest[:left])
+    actors = sorted(rest[left:])
+    roles = [0] * len(procs)
+    for role, i in enumerate(learners + actors):
+        roles[i] = role
+    return roles
+
+
+def join_run(num_learners: int, timeout) -> tuple[int, int, object]:
+    """torchrun's processes agree on their roles (assign_roles, from each one's node and local rank, shared
+    through torchrun's store). Returns (role rank, learners on this node, a store for the process group)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    here = (int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)))
+    shared = dist.PrefixStore("grpo_roles", store)
+    shared.set(str(rank), f"{here[0]} {here[1]}")
+    procs = [tuple(map(int, shared.get(str(r)).decode().split())) for r in range(world_size)]
+    roles = assign_roles(procs, num_learners)
+    local_learners = sum(1 for p, role in zip(procs, roles) if p[0] == here[0] and role < num_learners)
+    return roles[rank], local_learners, dist.PrefixStore("grpo", store)
+
+
+def engine_gpus(local_rank: int, local_world: int, local_learners: int, tp: int, device_count: int) -> tuple[int, str]:
+    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. A node's learners are its
+    first local ranks (assign_roles) and take its first GPUs, one each; its actor ranks follow and each takes the next
+    `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
     first = local_learners + (local_rank - local_learners) * tp
     need = local_learners + (local_world - local_learners) * tp
     if need > device_count:
@@ -2910,7 +3076,7 @@ def add_actor_totals(totals: Counter, stats_list: list[dict], loads_only: bool =
     for k, v in s.items():
         if k.startswith("loaded/"):
             totals[f"weight_{k}"] = 1
-        elif (not loads_only or k in ("weight_loads", "weight_apply_s")) and k not in ("probe_mean", "probe_max"):
+        elif (not loads_only or k in ("weight_loads", "weight_load_s")) and k not in ("probe_mean", "probe_max"):
             totals[f"actor_{k}"] += v
     if stats_list and not loads_only:  # the latest peaks, assigned (a Counter's update() would add them)
         for k in ("peak_source", "peak_flops", "peak_bw"):
@@ -2924,7 +3090,7 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "mean_step_time_s": totals["step_time"] / steps, "mean_data_wait_s": totals["data_wait"] / steps,
         "mean_weight_sync_s": totals["sync_time"] / steps, "weight_updates": totals["weight_updates"],
         **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "transfer")},
-        "mean_weight_load_s": totals["actor_weight_apply_s"] / max(totals["actor_weight_loads"], 1),
+        "mean_weight_load_s": totals["actor_weight_load_s"] / max(totals["actor_weight_loads"], 1),
         "engines_loaded": sum(1 for k in totals if k.startswith("weight_loaded/")),
         "generated_tokens_per_s": engines_tokens_per_s(totals, "actor_"),
         "learner_tokens_per_s": totals["learner_tokens"] / max(totals["train_time"], 1e-9),
