@@ -169,10 +169,10 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     worker = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend=grpo.GLOO_BACKEND),
         SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None), torch.device("cpu"), model)
-    actor = SimpleNamespace(updates=queue.Queue(), wants=None, init_weights=lambda info: (
-        calls.append("init"), worker.init_transfer_engine(worker.parse_init_info(info))))
+    actor = SimpleNamespace(updates=queue.Queue(), weights=SimpleNamespace(wants=None, join=lambda info: (
+        calls.append("init"), worker.init_transfer_engine(worker.parse_init_info(info)))))
 
-    def make_calls():  # Actor._apply_update's calls, on the worker engine, once the test lets it
+    def make_calls():  # EngineWeights.load's calls, on the worker engine, once the test lets it
         while (update := actor.updates.get()) is not None:
             go.wait()
             calls.append(update["version"])
@@ -184,13 +184,13 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50)).to(torch.bfloat16)
     source = grpo.WireWeights(net, torch.bfloat16)
     info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=30.0, rank=0)
-    link = grpo.Link(_args(timeout_s=30.0), [], None, actor, queue.Queue())
-    trainer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
+    client = grpo.WeightClient(grpo.Link(_args(timeout_s=30.0), [], None, actor, queue.Queue()))
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     assert calls == ["init"] and trainer.buffer.numel() == (12 + 3 + 150 + 50) * 2
     threading.Thread(target=make_calls, daemon=True).start()
     sent = []
     for version in (1, 2):  # the engine takes neither yet: both sends return
-        link.send_weights({"version": version, "stream": True}, trainer, 30.0)
+        client.send_weights({"version": version, "stream": True}, trainer, 30.0)
         sent.append({k: v.clone() for k, v in net.state_dict().items()})
         with torch.no_grad():
             net[1].bias.add_(1.0)
@@ -203,7 +203,7 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     assert all(torch.equal(b[k], v) and b[k].dtype == torch.bfloat16 for b, s in zip(loads, sent) for k, v in s.items())
     with torch.no_grad():
         net[1].bias[3] = float("nan")
-    link.send_weights({"version": 3, "stream": True}, trainer, 30.0)
+    client.send_weights({"version": 3, "stream": True}, trainer, 30.0)
     deadline = time.time() + 30
     while not errors and time.time() < deadline:
         time.sleep(0.01)
@@ -870,6 +870,31 @@ _DPO_ONLY = {"DEFAULT_BETA", "AVERAGE_LOGPS", "dpo_loss", "collate_pairs", "sequ
 _SFT_DPO_OWN = {"Args", "UNSUPPORTED_FLAGS", "RESUME_IGNORED_ARGS", "load_data", "train_step", "main"}
 
 
+def _section_titles(path: str) -> list[str]:
+    """The first title line of every section: comment lines between two rulers at most three lines apart."""
+    lines, titles, i = open(path).read().splitlines(), [], 0
+    is_ruler = lambda line: line.startswith("# ") and set(line[2:]) == {"-"} and len(line) > 40  # noqa: E731
+    while i < len(lines):
+        if is_ruler(lines[i]):
+            close = next((j for j in range(i + 1, min(i + 4, len(lines))) if is_ruler(lines[j])), None)
+            if close is not None and close > i + 1:
+                titles.append(lines[i + 1][2:])
+                i = close
+        i += 1
+    return titles
+
+
+def test_header_reading_order_is_the_files_sections():
+    """grpo.py's docstring lists its sections in reading order, one per line; each line starts the title of the
+    section in that place, and every section is listed: moving or adding a section without the header fails."""
+    listed = grpo.__doc__.split("Reading order:")[1].split("\n\n")[0].splitlines()[2:]
+    listed = [line.strip() for line in listed if line.startswith("    ")]
+    titles = _section_titles(os.path.join(REPO, "grpo.py"))
+    assert len(listed) == len(titles) >= 10, (listed, titles)
+    for entry, title in zip(listed, titles):
+        assert title.startswith(entry), (entry, title)
+
+
 def test_sft_and_dpo_main_share_their_plumbing_blocks():
     """`diff sft.py dpo.py` shows the algorithm and the reference cache only: every top-level function, class
     and constant both files define is byte-identical and in the same order, except the stage's own (arguments,
@@ -1055,11 +1080,11 @@ def _connect_stream(actor, model):
     trainer engine on our gloo backend (fp32 on the wire), its calls queued for the actor's engine loop."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    link = grpo.Link(actor.args, [], None, actor)
+    client = grpo.WeightClient(grpo.Link(actor.args, [], None, actor))
     info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=120.0, rank=0)
     source = grpo.WireWeights(model, torch.float32)
-    transfer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
-    return link, transfer
+    transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    return client, transfer
 
 
 def _weight_update(model, version, probe_ids):
@@ -1073,11 +1098,11 @@ def _weight_update(model, version, probe_ids):
 
 
 def _push(stream, update):
-    """vLLM's four calls to the actor and the weights to its workers (Link.send_weights): returns once the workers
+    """vLLM's four calls to the actor and the weights to its workers (WeightClient.send_weights): returns once the workers
     received the update."""
-    (link, transfer), (header, model) = stream, update
+    (client, transfer), (header, model) = stream, update
     transfer.source = grpo.WireWeights(model, torch.float32)
-    link.send_weights(header, transfer, 120.0)
+    client.send_weights(header, transfer, 120.0)
 
 
 def _version_only(version, **probe):
