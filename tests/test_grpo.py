@@ -1191,7 +1191,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         push = threading.Thread(target=_push, args=(sender, _weight_update(model, 2, probe_ids)), daemon=True)
         push.start()
         assert actor.version == 1 and actor.pending  # the stream waits for the engine, which drains first
-        while actor.version != 2 or actor.probe is not None:  # loaded, and its probe has run
+        while actor.version != 2 or actor.weights.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline + 240 and not errors, errors
             time.sleep(0.01)
         push.join(10)
@@ -1248,7 +1248,7 @@ def test_prefix_cache_is_reused_only_within_a_policy_version(toy_model_dir, tmp_
         assert prefill_of_next_group(1) < 320  # control: same version, the prompt's blocks come from the cache
         _push(sender, _weight_update(model, 1, probe_ids))
         deadline = time.time() + 120
-        while actor.version != 1 or actor.probe is not None:
+        while actor.version != 1 or actor.weights.probe is not None:
             assert time.time() < deadline and not errors, errors
             time.sleep(0.01)
         assert prefill_of_next_group(2) == 320  # a new policy: the whole prompt is computed again
@@ -1330,8 +1330,11 @@ def _rewarded_by_length(toy_data_dir, tmp_path):
 def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_data_dir, tmp_path):
     """Drained updates under --async_steps 3 (torchrun: the engine's request travels over gloo): learner 0
     streams new weights only when the engine asks (every prompt it holds needs newer ones), when its weights
-    reach the bound, and before the closing evaluation; not at every step. Every step still trains all its
-    groups and the lag stays within the bound. Drained updates make the engine deliver its groups in bursts
+    reach the bound, and before the closing evaluation, each time once the engine has drained. (Sent only
+    once drained, an update loads at once, so an engine as fast as this toy one runs out of admissible prompts
+    and asks again within a step: before the drain barrier an ask made while an update was in flight was
+    answered by it, and fewer steps streamed.) Every step still trains all its groups and the lag stays within
+    the bound. Drained updates make the engine deliver its groups in bursts
     (everything finishes before it loads), so a pull brings more groups than the step takes: the surplus must
     stay counted in flight, or the dispatcher refills and labels prompts for groups no step took and the lag
     grows step after step (with the surplus counted as consumed, this run's lag reached 10 versions; 16 with
@@ -1349,7 +1352,7 @@ def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_dat
     train = [r for r in _metrics(out) if "rollout/groups" in r]
     assert len(train) == steps and all(r["rollout/groups"] == 2 for r in train)
     streamed = [r["sync/streamed"] for r in train]
-    assert 0 < sum(streamed) < steps and streamed[-1] == 1, streamed  # the last: before the final evaluation
+    assert sum(streamed) > 0 and streamed[-1] == 1, streamed  # the last: before the final evaluation
     since = 0  # versions since the engines' weights were sent
     for s in streamed:
         since = 0 if s else since + 1
