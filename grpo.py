@@ -1384,8 +1384,9 @@ def stream_now(args: Args, layout: Layout, client: WeightClient | None, version:
 def sync_weights(args: Args, policy: Policy, layout: Layout, transfer, probe_ids, version: int, full: bool) -> dict:
     """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the header (the version and the
     learner's logprobs of the probe sequence) and, with `full`, the weights, in the training dtype, through vLLM's
-    trainer engine `transfer` (its client's send_weights; without `full`: the initial check). Returns seconds: sync (all of
-    it), and on learner 0 for full updates gather (producing the full tensors) and transfer (the rest)."""
+    trainer engine `transfer` (its client's send_weights; without `full`: the initial check). Returns seconds: sync
+    (all of it), and on learner 0 for full updates gather (producing the full tensors), drain (drained updates:
+    waiting for every engine to drain) and transfer (the rest)."""
     t = time.perf_counter()
     groups, num_learners = layout.groups, layout.num_learners
     probe = None
@@ -1397,14 +1398,15 @@ def sync_weights(args: Args, policy: Policy, layout: Layout, transfer, probe_ids
             with policy.autocast:
                 lp, _ = token_logprobs(policy.model, batch)
         probe = lp[:-1].tolist()
-    t_send, transfer.source.seconds = time.perf_counter(), 0.0
+    t_send, transfer.source.seconds, drain = time.perf_counter(), 0.0, 0.0
     if layout.is_main:
         header = {"version": version, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
-        transfer.client.send_weights(header, transfer, args.timeout_s if full else args.startup_timeout_s)
+        drain = transfer.client.send_weights(header, transfer, args.timeout_s if full else args.startup_timeout_s)
     elif full:  # each gather is a collective of all learners
         transfer.send_weights()
     gather = transfer.source.seconds
-    times = {"gather": gather, "transfer": time.perf_counter() - t_send - gather} if full and layout.is_main else {}
+    times = ({"gather": gather, "drain": drain, "transfer": time.perf_counter() - t_send - gather - drain}
+             if full and layout.is_main else {})
     return dict(times, sync=time.perf_counter() - t)
 
 
@@ -1479,12 +1481,14 @@ class WeightClient:
     def send_weights(self, header: dict, transfer, timeout_s: float):
         """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
         thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included). Drained
-        updates first wait for every engine to drain (drain_engines)."""
+        updates first wait for every engine to drain (drain_engines). Returns the seconds that wait took."""
         self.streamed, self.header = header["version"], {k: v for k, v in header.items() if k != "stream"}
         if not header.get("stream"):
             return self._post(self.header)
+        t = time.perf_counter()
         if not loads_inflight(self.args):
             self.drain_engines(header["version"], timeout_s)
+        drain_s = time.perf_counter() - t
         self.sends_at_finish = getattr(transfer, "receives_in_background", False)  # vLLM's NCCL engine: False
         errors, done = [], threading.Event()
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -1502,6 +1506,7 @@ class WeightClient:
         self.link.wait_for_actors(done.is_set, timeout_s, f"the weight update to version {header['version']}")
         if errors:
             raise RuntimeError(f"weight update to version {header['version']} failed: {errors[0]}") from errors[0]
+        return drain_s
 
 
 class EngineWeights:
@@ -2428,12 +2433,12 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
             metrics.update({"time/train": train_time, "time/weight_sync": sync["sync"], "time/step": step_time,
                             "sync/streamed": int(streams),
                             "time/save": save_time,
-                            **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
+                            **{f"time/weight_{k}": sync[k] for k in ("gather", "drain", "transfer") if k in sync},
                             "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9)})
             totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
                            "learner_tokens": learner_tokens, "train_time": train_time, "sync_time": sync["sync"],
                            "save_time": save_time, "weight_updates": int(streams),
-                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
+                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "drain", "transfer")}})
             add_actor_totals(totals, actor_stats)
             logger.log(step + 1, metrics)
     finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
@@ -3189,7 +3194,7 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "args": dataclasses.asdict(args), "steps": totals["steps"], "wall_s": time.perf_counter() - run_t0,
         "mean_step_time_s": totals["step_time"] / steps, "mean_data_wait_s": totals["data_wait"] / steps,
         "mean_weight_sync_s": totals["sync_time"] / steps, "weight_updates": totals["weight_updates"],
-        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "transfer")},
+        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "drain", "transfer")},
         "mean_weight_load_s": totals["actor_weight_load_s"] / max(totals["actor_weight_loads"], 1),
         "engines_loaded": sum(1 for k in totals if k.startswith("weight_loaded/")),
         "generated_tokens_per_s": engines_tokens_per_s(totals, "actor_"),

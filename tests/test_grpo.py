@@ -1098,8 +1098,8 @@ def _weight_update(model, version, probe_ids):
 
 
 def _push(stream, update):
-    """vLLM's four calls to the actor and the weights to its workers (WeightClient.send_weights): returns once the workers
-    received the update."""
+    """vLLM's four calls to the actor and the weights to its workers (WeightClient.send_weights): returns once the
+    workers received the update."""
     (client, transfer), (header, model) = stream, update
     transfer.source = grpo.WireWeights(model, torch.float32)
     client.send_weights(header, transfer, 120.0)
