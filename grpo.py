@@ -957,7 +957,7 @@ class Actor:
                 self.tools.continue_episodes()
             if self.weights.between_steps() and self.version is not None:  # no update waits: admit
                 startable_left = self._admit_ready()
-                if not loads_inflight(self.args) and self.waiting and not startable_left:
+                if not loads_inflight(self.args) and self.waiting and not startable_left and self.drained():
                     self.weights.ask()
             self._step_engine()
 
@@ -1582,9 +1582,12 @@ class EngineWeights:
 
     def ask(self):
         """Departure (drained updates): an engine that must drain to load asks for new weights only when it
-        needs them, once every prompt it holds needs newer weights than its own (the version gate; the engine
-        loop calls this then), so that it drains about once per async_steps learner steps, not at every one, and
-        then loads the latest version. Learner 0 streams at its next step boundary (stream_now). Once per version."""
+        needs them: once it has drained by itself and every prompt it holds needs newer weights than its own (the
+        version gate; the engine loop calls this then), so that it drains about once per async_steps learner steps,
+        not at every one, and learner 0, which sends only once every engine has drained, does not wait on its
+        running requests. Learner 0 streams at its next step boundary (stream_now). Once per version. (Asking as
+        soon as nothing more was startable, running requests or not, made learner 0 stream at 29 of 30 steps of
+        bench_infra.sh's continuous_drained run and wait for each drain.)"""
         if self.wants is None:
             self.wants = self.actor.version
             self.actor.emit({"want_weights": self.wants, "actor": self.actor.actor_id})
