@@ -21,11 +21,24 @@ Departures, on purpose (README has the measurements):
   exact; running requests keep their KV cache, computed by the old weights (PipelineRL's staleness).
 - Prompts in flight at a checkpoint are skipped on resume, not replayed.
 - A row with `tools` runs as a multi-turn episode, one token sequence: tool results are appended as tokens and
-  trained on as context only (Actor._end_turn; README, tool use).
+  trained on as context only (ToolEpisodes; README, tool use).
 
-Reading order: Args; the algorithm (advantages, filter, active sampling, admission gate, loss); packing and
-the chunked LM head; the actor; learner 0's link and prompt dispatcher; the learner and its loop; `main`;
-then plumbing (weight transfer, messages, the cost model, CPU pinning, metrics, checkpoints).
+Reading order: Args, then the sections, each under a ruler whose title starts with its line here (a test holds
+the two in step):
+    ONE STEP: its data path, in order
+    ALGORITHM (Olmo 3 sec 4.4): advantages, the zero-std filter, active sampling, the admission gate, the loss
+    The learner's batches: packing rows, and their logprobs
+    Tool episodes: calls parsed from a sampled turn, run off the engine loop
+    The actor: one vLLM engine kept full (continuous batching)
+    Learner 0's side: the link to the actors and the prompt dispatcher
+    WEIGHT UPDATES: learner 0 -> every engine through vLLM's weight-transfer engine
+    The learner: setup, the loop, `main`
+    PLUMBING: messages between roles
+    PLUMBING (the same block in sft.py, dpo.py and grpo.py): log-probabilities
+    PLUMBING: the cost model
+    PLUMBING: devices and CPU cores of each rank
+    PLUMBING: metrics, the run summary, checkpoints
+    Flags of open-instruct's Olmo 3 RL scripts that grpo.py does not take
 
     # CPU, the toy model (python toy.py model toy_model; python toy.py data toy_data); README has the rest
     VLLM_CPU_KVCACHE_SPACE=1 python grpo.py --model_name_or_path toy_sft --output_dir out/grpo_toy \\
@@ -71,14 +84,14 @@ import torch.distributed as dist
 try:
     from vllm.distributed.weight_transfer import (ParamMeta, WeightSource, WeightTransferEngineFactory,
                                                   WeightTransferTrainerFactory)
-    from vllm.distributed.weight_transfer.base import materialize_full_tensor
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, materialize_full_tensor
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine,
-                                                              NCCLWeightTransferEngine, NCCLWeightTransferInitInfo)
+                                                              NCCLWeightTransferEngine)
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 except ImportError:  # the learner alone (bench_learner.py on a GPU machine without vLLM) imports this file too
     WeightTransferEngineFactory = WeightTransferTrainerFactory = None
     NCCLTrainerInitInfo = NCCLTrainerWeightTransferEngine = NCCLWeightTransferEngine = WeightSource = object
-    NCCLWeightTransferInitInfo = object
+    TrainerInitInfo = WeightTransferInitInfo = object
 
 
 
@@ -170,12 +183,13 @@ class Args:
     batching: str = field(default="continuous", metadata={
         "help": "'continuous' (keep the engine full) or 'static' (one batch at a time; the ablation)."})
     # Off: an engine drains, then loads; learner 0 sends weights only when an engine asks for them (every prompt
-    # it holds needs newer ones), when they are async_steps versions old, and before an evaluation
+    # it holds needs newer ones), when they are async_steps versions old, and before an evaluation, and then only
+    # once every engine has drained (WeightClient.drain_engines)
     inflight_updates: bool = field(default=True, metadata={
         "help": "Load new weights between two engine steps without draining (Olmo 3)."})
     max_num_seqs: int = field(default=64, metadata={"help": "vLLM slots per engine (concurrent sequences)."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "GPU memory fraction for vLLM (CPU: VLLM_CPU_KVCACHE_SPACE, default 1 GiB)."})
+        "help": "GPU memory share per engine; one GPU: at most what the learner leaves (CPU: 1 GiB of KV cache)."})
     enforce_eager: bool = field(default=False, metadata={
         "aliases": ["--vllm_enforce_eager"], "help": "vLLM without compilation: starts faster, generates slower."})
     pack_length: int = field(default=0, metadata={
@@ -228,6 +242,35 @@ class Args:
 
 
 # -------------------------------------------------------------------------------------------------
+# ONE STEP: its data path, in order (the learner's loop calls this; each name is defined below)
+# -------------------------------------------------------------------------------------------------
+def one_step(args: Args, layout: "Layout", policy: "Policy", rollouts: "Rollouts | None", transfer, probe_ids,
+             version: int, evaluates: bool) -> dict:
+    """Every learner runs it; learner 0 alone holds the rollouts. The actors' finished groups -> verifiers.py
+    rewards -> the zero-std filter and active sampling (Rollouts.next_batch) -> advantages, packed rows dealt to
+    the learners (plan_step) -> loss, backward, clip, optimizer step on each learner's share (train_on) -> the new
+    weights to every engine, when this step sends them (stream_now, sync_weights)."""
+    out, plan = {}, None
+    if layout.is_main:
+        t = time.perf_counter()
+        out["batch"], out["counts"], out["scored"] = rollouts.next_batch(version)
+        out["data_wait"], out["actor_stats"] = time.perf_counter() - t, rollouts.take_stats()
+        rollouts.check_infra(out["counts"])
+        plan = plan_step(out["batch"], args, policy, layout.num_learners)
+    if layout.num_learners > 1:
+        plan = broadcast_list(plan, layout.groups["learners"], args.timeout_s)
+    t, pad_id = time.perf_counter(), policy.tokenizer.pad_token_id or 0
+    minibatches = [([collate_forward(forward, pad_id) for forward in shares[layout.rank]], num_tokens)
+                   for shares, num_tokens in plan]
+    out["agg"], out["grad_norms"], out["learner_tokens"] = train_on(policy, minibatches, args, layout.num_learners)
+    out["train_time"] = time.perf_counter() - t
+    out["streams"] = stream_now(args, layout, transfer.client, version + 1, evaluates)
+    out["sync"] = (sync_weights(args, policy, layout, transfer, probe_ids, version + 1, full=True) if out["streams"]
+                   else {"sync": 0.0})
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
 # ALGORITHM (Olmo 3 sec 4.4): advantages, the zero-std filter, active sampling, the admission gate, the loss
 # -------------------------------------------------------------------------------------------------
 def compute_advantages(rewards: list[list[float]], normalization: str = "centered") -> list[list[float]]:
@@ -256,16 +299,19 @@ def filter_reason(rewards: list[float]) -> str | None:
     return "all_failed" if rewards[0] <= 0.0 else "zero_std"
 
 
-def active_sampling(pull, num_groups: int, max_prompts: int) -> tuple[list, list, Counter]:
+def active_sampling(pull, num_groups: int, max_prompts: int, consumed=None) -> tuple[list, list, Counter]:
     """ALGORITHM: Olmo 3 sec 4.4 active sampling. Pull scored groups (`pull()` -> list of dicts with
     `rewards`) and keep those with non-zero reward std until exactly `num_groups` are kept. Groups
     pulled beyond that are returned as leftovers for the next step. Gives up after `max_prompts`
-    prompts (counted as `capped`) so a run where nearly everything is filtered does not spin forever."""
+    prompts (counted as `capped`) so a run where nearly everything is filtered does not spin forever.
+    The one count of what a step takes: after each pull, `consumed(taken, still_missing)` hears how many of its
+    groups this step took (kept or filtered, not the leftovers) and how many kept groups it still misses."""
     kept, leftover, counts = [], [], Counter()
     while len(kept) < num_groups:
         if counts["prompts"] >= max_prompts:
             counts["capped"] += 1
             break
+        before = counts["prompts"]
         for g in pull():
             if len(kept) == num_groups:
                 leftover.append(g)
@@ -276,6 +322,8 @@ def active_sampling(pull, num_groups: int, max_prompts: int) -> tuple[list, list
                 kept.append(g)
             else:
                 counts[reason] += 1
+        if consumed is not None:
+            consumed(counts["prompts"] - before, num_groups - len(kept))
     return kept, leftover, counts
 
 
@@ -327,6 +375,13 @@ def admissible(prompt: dict, version: int | None, release: int) -> bool:
         return False
     mv = prompt.get("min_version")
     return mv is None or version >= mv or prompt["index"] < release
+
+
+def loads_inflight(args: Args) -> bool:
+    """Inflight updates (Olmo 3 sec 4.5; continuous batching only): an engine loads new weights between any two
+    steps, its running requests keeping their KV cache. Otherwise (drained updates, static batches) an engine loads
+    only once nothing runs, and learner 0 sends only once every engine has drained (WeightClient.drain_engines)."""
+    return args.inflight_updates and args.batching != "static"
 
 
 def grpo_loss(new_logprobs, old_logprobs, sampling_logprobs, advantages, mask, clip_low: float, clip_high: float,
@@ -665,16 +720,96 @@ class ToolRunner:
         return out
 
 
+class ToolEpisodes:
+    """An actor's tool episodes (rows with `tools`), one token sequence each: a finished turn's calls run off the
+    engine loop (ToolRunner); their results and the next assistant header are appended as tokens (context, out of
+    the loss) and the same sequence goes on as a new request."""
+
+    def __init__(self, actor):
+        import chat_template
+
+        self.actor, self.args = actor, actor.args
+        self.tokenizer = actor.llm.get_tokenizer()
+        self.turns = chat_template.ToolTurns(self.tokenizer, self.args.chat_template)
+        self.runner = ToolRunner(load_tools(self.args), self.args.tool_timeout_s, self.args.max_tool_output_chars)
+        self.waiting = {}  # request id -> its episode state while its turn's tool calls run
+
+    def end_turn(self, rid: str, st: dict, c):
+        """A turn of a tool episode finished. Calls in it run (ToolRunner) unless the episode is out of turns or
+        tokens or the call closed with eos; a turn without a call is the answer, and the episode ends."""
+        actor = self.actor
+        st["versions"] += actor.token_versions(c, len(st["tokens"]) - st["turn_start"])
+        del actor.pending[rid]
+        calls = None
+        if c.finish_reason == "stop" and len(st["tokens"]) < self.args.max_response_length:
+            text = self.tokenizer.decode(st["tokens"][st["turn_start"]:], skip_special_tokens=False)
+            try:
+                calls = parse_tool_calls(text)
+            except ToolCallError as e:
+                calls = e
+            if calls is not None and st["tokens"][-1] not in self.turns.stop_token_ids:
+                # A call closed by eos, not the hand-off token (the released templates train eos after a
+                # conversation's final call): no template renders a turn after eos, so the episode ends here,
+                # the call not run and no answer to score; counted (tools/errors_call_closed_by_eos).
+                actor.stats["tool_errors_call_closed_by_eos"] += 1
+                st["turn_start"] = len(st["tokens"])
+                return actor.finish_sample(st, "call_closed_by_eos", st["versions"])
+        meta = actor.groups[st["group"]]["meta"]
+        if calls is None and c.finish_reason == "length" and st["turns"] < meta.get("bench_turns", 0) \
+                and len(st["tokens"]) < self.args.max_response_length:
+            calls = [("bench_sleep", [], {})]  # BENCHMARK ONLY (Dispatcher.prompt)
+        if calls is None:
+            return actor.finish_sample(st, c.finish_reason, st["versions"])
+        if st["turns"] >= self.args.max_tool_turns:  # the last turn is a call, not an answer: nothing to score
+            actor.stats["tool_turn_limit"] += 1
+            st["turn_start"] = len(st["tokens"])
+            return actor.finish_sample(st, "tool_turn_limit", st["versions"])
+        st["turns"] += 1
+        self.waiting[st["rid"]] = st
+        self.runner.submit(st["rid"], calls, meta["tools"])
+
+    def continue_episodes(self):
+        """Episodes whose tool calls answered: append the results and the next assistant header as the template
+        renders them (ToolTurns: context, out of the loss), then continue the same token sequence as a new
+        request. Its prefix KV is reused from the prefix cache under the episode's first salt."""
+        actor, stats = self.actor, self.actor.stats
+        for key, results, kinds, seconds in self.runner.finished():
+            st = self.waiting.pop(key)
+            st["calls"] += len(results)
+            stats["tool_calls"] += len(results)
+            stats["tool_s"] += seconds
+            for kind in filter(None, kinds):
+                stats[f"tool_errors_{kind}"] += 1
+            ids = self.turns.results_ids(results)
+            left = self.args.max_response_length - len(st["tokens"])
+            fit = ids[:left]
+            st["tokens"] += fit
+            st["logprobs"] += [0.0] * len(fit)
+            st["mask"] += [0] * len(fit)
+            stats["appended_tokens"] += len(fit)
+            if len(ids) >= left:  # no token left to sample: the episode ends truncated
+                actor.finish_sample(st, "length", st["versions"])
+                continue
+            meta = actor.groups[st["group"]]["meta"]
+            st["turn_start"] = len(st["tokens"])
+            st["prompt_len"] = len(meta["prompt_ids"]) + st["turn_start"]
+            rid = f"{st['rid']}-turn{st['turns']}"
+            actor.pending[rid] = st
+            actor.add_request(rid, list(meta["prompt_ids"]) + st["tokens"], st["salt"],
+                              actor._sampling_params(meta, st["j"], max_tokens=left - len(ids)))
+
+
 # -------------------------------------------------------------------------------------------------
 # The actor: one vLLM engine kept full (continuous batching), weights loaded between two steps (inflight updates)
 # -------------------------------------------------------------------------------------------------
 class Actor:
     """Owns one engine. Inputs: `inbox` (prompt messages from learner 0), `updates` (weight updates: the
     version, the learner's logprobs of a probe sequence, and vLLM's update_info when weights stream into the
-    engine's workers). Output: `emit(message)` for finished groups and errors.
+    engine's workers; EngineWeights makes their calls). Output: `emit(message)` for finished groups and errors.
     `run()` is the engine loop; in the colocated mode it runs in a thread."""
 
-    def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1):
+    def __init__(self, args: Args, model_path: str, actor_id: int, emit, device: str, num_actors: int = 1,
+                 memory_share: float | None = None):
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -687,7 +822,7 @@ class Actor:
             # On CPU, vLLM without a KV-cache size reserves 92% of the NUMA node's free memory and refuses to
             # start when the page cache holds more than 8% of it: 1 GiB, unless VLLM_CPU_KVCACHE_SPACE says.
             kwargs = ({"kv_cache_memory_bytes": 1 << 30} if device == "cpu" else
-                      {"gpu_memory_utilization": args.vllm_gpu_memory_utilization})
+                      {"gpu_memory_utilization": memory_share or args.vllm_gpu_memory_utilization})
             self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id,
                            enforce_eager=args.enforce_eager,
                            max_model_len=args.max_prompt_length + args.max_response_length,
@@ -701,22 +836,25 @@ class Actor:
         self.engine = self.llm.llm_engine
         self.llm.collective_rpc("grpo_watch_owner", args=(os.getpid(),))
         self.version = None  # the learner version the engine's weights come from
-        self.shape = ModelShape.from_config(self.engine.model_config.hf_config)
-        self.peak_device = device if device == "cpu" else "cuda"
-        self.peak_flops = self.peak_bw = self.peak_source = None  # measured in run(), on the cores it runs on
+        self.meter = EngineMeter(self.engine.model_config.hf_config, self.dtype, args.max_num_seqs,
+                                 device if device == "cpu" else "cuda")
+        self.stats = self.meter.stats  # this engine's counts since the last group it emitted
+        self.weights = EngineWeights(self)
+        self.tools = None  # ToolEpisodes, set up by the first prompt that offers tools
         self.pending = {}  # request id -> {"group": group id, "tokens", "logprobs", "prompt_len"}
         self.groups = {}  # group id -> {"meta", "samples", "left"}
         self.waiting = []  # prompt messages received but not yet admitted
         self.release = -1  # training prompts with a smaller index are needed now: no version gate
-        self.probe = None  # (request id, learner probe logprobs, version) while a probe runs
-        self.wants = None  # drained updates: the version whose successor this engine asked for (_ask_for_weights)
-        self.stats = Counter()
-        self.stats_t = time.perf_counter()
         self.static_batch = math.ceil(args.num_unique_prompts_per_step / num_actors)  # prompts per static batch
-        self.static_lens = []  # response lengths of the running static batch
         self.busy_since = None  # when the call into the engine now running began (None: none runs)
-        self.tool_turns = self.tool_runner = None  # tool episodes: set up by the first prompt that offers tools
-        self.in_tools = {}  # request id -> its episode state while its turn's tool calls run
+
+    @property
+    def in_tools(self) -> dict:
+        """Tool episodes whose turn's calls are running (request id -> episode state)."""
+        return self.tools.waiting if self.tools else {}
+
+    def take_stats(self) -> dict:
+        return self.meter.take(self.actor_id)
 
     # -- requests -------------------------------------------------------------------------------
     def _sampling_params(self, prompt: dict, j: int, max_tokens: int | None = None):
@@ -729,19 +867,26 @@ class Actor:
         if "bench_turns" in prompt:  # BENCHMARK ONLY: a turn's share of the drawn length
             max_tokens = min(max_tokens, math.ceil(prompt["max_tokens"][j] / (prompt["bench_turns"] + 1)))
         # a tool episode's turn also stops at the template's closing token of a turn that calls tools
-        stop = self.tool_turns.stop_token_ids if prompt.get("tools") and not prompt.get("ignore_eos") else None
+        stop = self.tools.turns.stop_token_ids if prompt.get("tools") and not prompt.get("ignore_eos") else None
         return SamplingParams(temperature=self.args.temperature, max_tokens=max_tokens,
                               ignore_eos=prompt.get("ignore_eos", False), logprobs=0, stop_token_ids=stop,
                               output_kind=RequestOutputKind.DELTA)
 
-    def _admit(self, prompt: dict):
+    def add_request(self, rid: str, token_ids: list[int], cache_salt: str, params):
+        """A request of token ids, through vLLM 0.32's supported input path: the prompt rendered by its Renderer
+        (render_cmpl) and the result handed to add_request (raw prompts there are deprecated)."""
         from vllm import TokensPrompt
 
+        (engine_input,) = self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=token_ids,
+                                                                      cache_salt=cache_salt)])
+        self.engine.add_request(rid, engine_input, params)
+
+    def _admit(self, prompt: dict):
         gid = f"{prompt['kind']}-{prompt['index']}"
         self.groups[gid] = {"meta": prompt, "samples": [None] * prompt["n"], "left": prompt["n"],
                             "t0": time.perf_counter()}
-        if prompt.get("tools") and self.tool_turns is None:
-            self._start_tools()
+        if prompt.get("tools") and self.tools is None:
+            self.tools = ToolEpisodes(self)
         # Salted by policy version: a request reuses only prompt KV computed by the weights it starts on,
         # never an old policy's (the shared template header would otherwise stay cached all run).
         salt = f"policy-{self.version}"
@@ -749,115 +894,17 @@ class Actor:
             rid = f"{gid}-{j}"
             self.pending[rid] = {"group": gid, "j": j, "tokens": [], "logprobs": [],
                                  "prompt_len": len(prompt["prompt_ids"]), "turn_start": 0}
-            if prompt.get("tools"):  # a tool episode: what _end_turn and _continue_episodes need
+            if prompt.get("tools"):  # a tool episode: what ToolEpisodes needs
                 self.pending[rid].update(rid=rid, salt=salt, mask=[], versions=[], turns=0, calls=0)
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt["prompt_ids"], cache_salt=salt),
-                                    self._sampling_params(prompt, j))
-
-    # -- tool episodes --------------------------------------------------------------------------
-    def _start_tools(self):
-        import chat_template
-
-        self.tokenizer = self.llm.get_tokenizer()
-        self.tool_turns = chat_template.ToolTurns(self.tokenizer, self.args.chat_template)
-        self.tool_runner = ToolRunner(load_tools(self.args), self.args.tool_timeout_s, self.args.max_tool_output_chars)
-
-    def _end_turn(self, rid: str, st: dict, c):
-        """A turn of a tool episode finished. Calls in it run (ToolRunner) unless the episode is out of turns or
-        tokens or the call closed with eos; a turn without a call is the answer, and the episode ends."""
-        st["versions"] += self._token_versions(c, len(st["tokens"]) - st["turn_start"])
-        del self.pending[rid]
-        calls = None
-        if c.finish_reason == "stop" and len(st["tokens"]) < self.args.max_response_length:
-            text = self.tokenizer.decode(st["tokens"][st["turn_start"]:], skip_special_tokens=False)
-            try:
-                calls = parse_tool_calls(text)
-            except ToolCallError as e:
-                calls = e
-            if calls is not None and st["tokens"][-1] not in self.tool_turns.stop_token_ids:
-                # A call closed by eos, not the hand-off token (the released templates train eos after a
-                # conversation's final call): no template renders a turn after eos, so the episode ends here,
-                # the call not run and no answer to score; counted (tools/errors_call_closed_by_eos).
-                self.stats["tool_errors_call_closed_by_eos"] += 1
-                st["turn_start"] = len(st["tokens"])
-                return self._finish_sample(st, "call_closed_by_eos", st["versions"])
-        meta = self.groups[st["group"]]["meta"]
-        if calls is None and c.finish_reason == "length" and st["turns"] < meta.get("bench_turns", 0) \
-                and len(st["tokens"]) < self.args.max_response_length:
-            calls = [("bench_sleep", [], {})]  # BENCHMARK ONLY (Dispatcher.prompt)
-        if calls is None:
-            return self._finish_sample(st, c.finish_reason, st["versions"])
-        if st["turns"] >= self.args.max_tool_turns:  # the last turn is a call, not an answer: nothing to score
-            self.stats["tool_turn_limit"] += 1
-            st["turn_start"] = len(st["tokens"])
-            return self._finish_sample(st, "tool_turn_limit", st["versions"])
-        st["turns"] += 1
-        self.in_tools[st["rid"]] = st
-        self.tool_runner.submit(st["rid"], calls, meta["tools"])
-
-    def _continue_episodes(self):
-        """Episodes whose tool calls answered: append the results and the next assistant header as the template
-        renders them (ToolTurns: context, out of the loss), then continue the same token sequence as a new
-        request. Its prefix KV is reused from the prefix cache under the episode's first salt."""
-        from vllm import TokensPrompt
-
-        for key, results, kinds, seconds in self.tool_runner.finished():
-            st = self.in_tools.pop(key)
-            st["calls"] += len(results)
-            self.stats["tool_calls"] += len(results)
-            self.stats["tool_s"] += seconds
-            for kind in filter(None, kinds):
-                self.stats[f"tool_errors_{kind}"] += 1
-            ids = self.tool_turns.results_ids(results)
-            left = self.args.max_response_length - len(st["tokens"])
-            fit = ids[:left]
-            st["tokens"] += fit
-            st["logprobs"] += [0.0] * len(fit)
-            st["mask"] += [0] * len(fit)
-            self.stats["appended_tokens"] += len(fit)
-            if len(ids) >= left:  # no token left to sample: the episode ends truncated
-                self._finish_sample(st, "length", st["versions"])
-                continue
-            meta = self.groups[st["group"]]["meta"]
-            st["turn_start"] = len(st["tokens"])
-            st["prompt_len"] = len(meta["prompt_ids"]) + st["turn_start"]
-            rid = f"{st['rid']}-turn{st['turns']}"
-            self.pending[rid] = st
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(meta["prompt_ids"]) + st["tokens"],
-                                                      cache_salt=st["salt"]),
-                                    self._sampling_params(meta, st["j"], max_tokens=left - len(ids)))
-
-    def _start_probe(self, probe_ids: list[int], learner_logprobs: list[float], version: int):
-        from vllm import SamplingParams, TokensPrompt
-
-        rid = f"probe-{version}"  # a fresh cache salt: the probe must not hit KV cached under old weights
-        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=probe_ids, cache_salt=rid),
-                                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
-        self.probe = (rid, learner_logprobs, version, probe_ids)
-
-    def _finish_probe(self, out):
-        rid, learner_lp, version, ids = self.probe
-        self.probe = None
-        engine_lp = [d[ids[t]].logprob for t, d in enumerate(out.prompt_logprobs) if t > 0]
-        diff = np.abs(np.array(engine_lp) - np.array(learner_lp))
-        exact = self.dtype == torch.float32 and not self.args.bf16  # both sides in fp32
-        tol = self.args.probe_tolerance or (2e-3 if exact else 5e-2)
-        self.stats["probe_checks"] += 1
-        self.stats["probe_mean_abs_diff"] = max(self.stats["probe_mean_abs_diff"], float(diff.mean()))
-        self.stats["probe_max_abs_diff"] = max(self.stats["probe_max_abs_diff"], float(diff.max()))
-        if not diff.mean() <= tol:
-            raise RuntimeError(f"actor {self.actor_id}: engine logprobs of the probe differ from the learner's after "
-                               f"the update to version {version}: mean |diff| {diff.mean():.3g} "
-                               f"(max {diff.max():.3g}) > {tol:g}. "
-                               "The engine is serving stale or corrupted weights.")
+            self.add_request(rid, prompt["prompt_ids"], salt, self._sampling_params(prompt, j))
 
     def _process(self, outs):
         """Append each request's new tokens (DELTA outputs) and emit groups as soon as they finish."""
         decode_ctx, prefill, steps = [], [], 1
         for out in outs:
-            if self.probe and out.request_id == self.probe[0]:
+            if self.weights.probe and out.request_id == self.weights.probe[0]:
                 if out.finished:
-                    self._finish_probe(out)
+                    self.weights.check_probe(out)
                 continue
             st = self.pending.get(out.request_id)
             if st is None:
@@ -874,17 +921,13 @@ class Actor:
                 st["mask"] += [1] * k
                 self.stats["sampled_tokens"] += k
             if out.finished and "mask" in st:
-                self._end_turn(out.request_id, st, c)
+                self.tools.end_turn(out.request_id, st, c)
             elif out.finished:
                 del self.pending[out.request_id]
-                self._finish_sample(st, c.finish_reason, self._token_versions(c, len(st["tokens"])))
-        flops, nbytes = engine_step_cost(self.shape, prefill, decode_ctx, self.dtype.itemsize, steps)
-        self.stats["flops"] += flops
-        self.stats["bytes"] += nbytes
-        self.stats["gen_tokens"] += len(decode_ctx) + len(prefill)
-        self.stats["prefill_tokens"] += sum(p - cached for p, cached in prefill)
+                self.finish_sample(st, c.finish_reason, self.token_versions(c, len(st["tokens"])))
+        self.meter.engine_steps(prefill, decode_ctx, steps)
 
-    def _token_versions(self, c, n: int) -> list[int]:
+    def token_versions(self, c, n: int) -> list[int]:
         """The policy version of each of a request's n tokens: vLLM labels token spans with set_weight_version()."""
         versions = [self.version] * n
         for span in c.weight_versions or []:
@@ -892,10 +935,10 @@ class Actor:
                 versions[i] = int(span.version) if span.version.lstrip("-").isdigit() else self.version
         return versions
 
-    def _finish_sample(self, st: dict, finish_reason: str, versions: list[int]):
+    def finish_sample(self, st: dict, finish_reason: str, versions: list[int]):
         n = len(st["tokens"])
         if self.args.batching == "static":
-            self.static_lens.append(n)
+            self.meter.static_lens.append(n)
         g = self.groups[st["group"]]
         sample = {"response_ids": st["tokens"], "sampling_logprobs": st["logprobs"],
                   "versions": versions, "finish_reason": finish_reason,
@@ -909,85 +952,20 @@ class Actor:
         if g["left"] == 0:
             del self.groups[st["group"]]
             self.emit({"group": dict(g["meta"], samples=g["samples"], gen_time=time.perf_counter() - g["t0"]),
-                       "stats": self._take_stats()})
-
-    def _take_stats(self) -> dict:
-        now = time.perf_counter()
-        # MFU, MBU <= 1 with measured peaks: a run whose average rate so far beats one proves the engine's
-        # peak is at least that rate. The run's totals, not this delta's: an engine step's work can land
-        # in a delta shorter than the step. Peaks given by the user (--peak_flops) are kept as given.
-        self.run_totals.update({"flops": self.stats["flops"], "bytes": self.stats["bytes"]})
-        if not self.peak_source.startswith("given"):
-            elapsed = max(now - self.run_t0, 1e-9)
-            self.peak_flops = max(self.peak_flops, self.run_totals["flops"] / elapsed)
-            self.peak_bw = max(self.peak_bw, self.run_totals["bytes"] / elapsed)
-        s = dict(self.stats, actor=self.actor_id, elapsed=now - self.stats_t, peak_flops=self.peak_flops,
-                 peak_bw=self.peak_bw, peak_source=self.peak_source, max_num_seqs=self.args.max_num_seqs)
-        self.stats, self.stats_t = Counter(), now
-        return s
-
-    # -- weights --------------------------------------------------------------------------------
-    def init_weights(self, init_info: dict):
-        """vLLM's init_weight_transfer_engine: this engine's workers join learner 0's weight stream as ranks
-        rank_offset + actor id x tensor_parallel_size + their tensor-parallel rank; returns once all have."""
-        offset = init_info["rank_offset"] + self.actor_id * self.args.vllm_tensor_parallel_size
-        self.llm.init_weight_transfer_engine({"init_info": dict(init_info, rank_offset=offset)})
-
-    def _apply_update(self, update: dict):
-        """Between two engine steps, make learner 0's calls on the LLM: with `update_info`, start_weight_update,
-        update_weights (the workers load the weights learner 0 sends them) and finish_weight_update with the version;
-        without, update_weight_version only. Inflight: running requests and their KV cache stay; the scheduler pause
-        only makes vLLM's per-token version labels exact."""
-        t = time.perf_counter()
-        if "update_info" in update:
-            self.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
-            try:
-                self.llm.start_weight_update()
-                self.llm.update_weights({"update_info": update["update_info"]})
-                self.llm.finish_weight_update(str(update["version"]))
-            except Exception as e:
-                raise RuntimeError(f"actor {self.actor_id}: weight update after version {self.version} failed; the "
-                                   f"engine is unusable now: {e}") from e
-            self.engine.engine_core.call_utility("resume_scheduler")
-            self.stats["weight_apply_s"] += time.perf_counter() - t
-            self.stats["weight_loads"] += 1
-        else:
-            self.llm.update_weight_version(str(update["version"]))
-        self.version, self.wants = update["version"], None
-        self.stats["weight_load_s"] += time.perf_counter() - t
-        self.stats["updates"] += 1
-        if update.get("probe_ids"):
-            self._start_probe(update["probe_ids"], update["probe_logprobs"], update["version"])
+                       "stats": self.take_stats()})
 
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
-        args = self.args
         # After run_actor_rank pinned this rank: the peaks of the cores the engine really uses
-        self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(args.peak_flops, args.peak_memory_bandwidth,
-                                                                        self.peak_device)
-        self.run_totals, self.run_t0 = Counter(), time.perf_counter()
-        next_update, drain_t0 = None, None
+        self.meter.start(self.args.peak_flops, self.args.peak_memory_bandwidth)
         while not self.stop.is_set():
             self._take_prompts()
             if self.in_tools:
-                self._continue_episodes()
-            if next_update is None:
-                with contextlib.suppress(queue.Empty):
-                    next_update = self.updates.get_nowait()
-            if next_update is not None and self._may_load_now():
-                if drain_t0 is not None:
-                    self.stats["drain_s"] += time.perf_counter() - drain_t0
-                    drain_t0 = None
-                self.busy_since = time.monotonic()
-                self._apply_update(next_update)
-                self.busy_since = None
-                next_update = None
-            elif next_update is not None and drain_t0 is None:  # draining: admit nothing until it loads
-                drain_t0 = time.perf_counter()
-            if self.version is not None and next_update is None:
+                self.tools.continue_episodes()
+            if self.weights.between_steps() and self.version is not None:  # no update waits: admit
                 startable_left = self._admit_ready()
-                if not self._loads_inflight() and self.waiting and not startable_left:
-                    self._ask_for_weights()
+                if not loads_inflight(self.args) and self.waiting and not startable_left and self.drained():
+                    self.weights.ask()
             self._step_engine()
 
     def _take_prompts(self):
@@ -1006,22 +984,9 @@ class Actor:
                 else:
                     self.waiting.append(m)
 
-    def _loads_inflight(self) -> bool:
-        """Inflight updates (Olmo 3 sec 4.5; continuous batching only): between any two engine steps, running
-        requests keep their KV cache. Otherwise (drained updates, static batches) only once nothing runs."""
-        return self.args.inflight_updates and self.args.batching != "static"
-
-    def _may_load_now(self) -> bool:
-        return self.version is None or self._loads_inflight() or not (self.pending or self.in_tools)
-
-    def _ask_for_weights(self):
-        """Departure (drained updates): an engine that must drain to load asks for new weights only when it
-        needs them, once every prompt it holds needs newer weights than its own (the version gate; run() calls
-        this then), so that it drains about once per async_steps learner steps, not at every one, and then
-        loads the latest version. Learner 0 streams at its next step boundary (stream_now). Once per version."""
-        if self.wants is None:
-            self.wants = self.version
-            self.emit({"want_weights": self.version, "actor": self.actor_id})
+    def drained(self) -> bool:
+        """Nothing runs: no request in the engine, no tool episode waiting on its calls."""
+        return not (self.pending or self.in_tools)
 
     def _admit_ready(self):
         """Start the waiting prompts the version gate lets through (generation never runs more than
@@ -1032,7 +997,7 @@ class Actor:
         ok = [p for p in self.waiting if admissible(p, self.version, self.release)]
         static, n = self.args.batching == "static", self.args.num_samples_per_prompt
         if static:
-            batch = ok[:self.static_batch] if not (self.pending or self.in_tools) else []
+            batch = ok[:self.static_batch] if self.drained() else []
         else:
             batch = ok[:math.ceil(max(0, self.args.max_num_seqs + n - len(self.pending)) / n)]
         if not batch:
@@ -1046,28 +1011,17 @@ class Actor:
         return len(ok) - len(batch)
 
     def _step_engine(self):
-        """One engine step (or a short sleep when nothing runs), with its occupancy and time."""
+        """One engine step (or a short sleep when nothing runs), timed for the meter."""
         t, tools_running = time.perf_counter(), bool(self.in_tools)
         if not self.engine.has_unfinished_requests():
             time.sleep(0.005)
-            self.stats["idle_s"] += time.perf_counter() - t
-            self.stats["tool_window_s"] += (time.perf_counter() - t) * tools_running
-            return
-        running = min(len(self.pending) + (self.probe is not None), self.args.max_num_seqs)
+            return self.meter.idle(time.perf_counter() - t, tools_running)
+        running = min(len(self.pending) + (self.weights.probe is not None), self.args.max_num_seqs)
         self.busy_since = time.monotonic()
         outs = self.engine.step()
         self.busy_since = None
         self._process(outs)
-        if self.args.batching == "static" and not (self.pending or self.in_tools) and self.static_lens:
-            self.stats["static_waste_sum"] += static_waste(self.static_lens)  # the batch is done
-            self.stats["static_waste_n"] += 1
-            self.static_lens = []
-        dt = time.perf_counter() - t
-        self.stats["occupancy_s"] += dt * running / self.args.max_num_seqs
-        self.stats["busy_s"] += dt
-        if tools_running:  # the engine's occupancy while some episode waits on its tools
-            self.stats["tool_window_s"] += dt
-            self.stats["tool_window_occupancy_s"] += dt * running / self.args.max_num_seqs
+        self.meter.busy(time.perf_counter() - t, running, tools_running, batch_done=self.drained())
 
     def shutdown(self):
         self.stop.set()
@@ -1101,8 +1055,11 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     actor = Actor(args, model_path, rank - num_learners, outbox.put, device, dist.get_world_size() - num_learners)
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
-    # Learner 0's first call, once it is up: the workers join its weight stream before any update.
-    actor.init_weights(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
+    # The engine is up: say so, then join learner 0's weight stream with its first call. Learner 0 opens the
+    # stream's rendezvous only once every engine said so (WeightClient.wait_for_engines), so no engine's start time
+    # counts against vLLM's fixed store limit.
+    send_obj({"ready": rank}, learner0, groups["data"], args.startup_timeout_s)
+    actor.weights.join(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
     errors = []
 
     def guarded(fn):
@@ -1158,7 +1115,6 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                threading.Thread(target=watchdog, daemon=True)]
     for th in threads:
         th.start()
-    outbox.put({"ready": rank})
     try:
         actor.run()
     except KeyboardInterrupt as e:  # torchrun stops this rank (learner 0 failed), maybe mid engine call
@@ -1176,13 +1132,13 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
             send_obj({"error": f"actor rank {rank}: {errors[0]}"}, learner0, groups["data"], 10.0)
         actor.shutdown()
         os._exit(1)
-    outbox.put({"done": rank, "stats": actor._take_stats()})  # what the last groups did not carry (the last loads)
+    outbox.put({"done": rank, "stats": actor.take_stats()})  # what the last groups did not carry (the last loads)
     outbox.put(None)
     threads[1].join(timeout=10.0)
     actor.shutdown()
 
 
-def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Actor":
+def start_colocated_actor(args: Args, model_path: str, emit, device: str, memory_share: float | None) -> "Actor":
     """`python grpo.py`: the actor in a thread of the learner's process, its vLLM engine in processes of
     its own. On CPU (--cpu_affinity) the learner and the engine each get half of the cores, as torchrun
     ranks do: unpinned, the engine's busy-polling processes took CPU from the learner (its step ran
@@ -1194,7 +1150,7 @@ def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Ac
     if pin:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(engine, args.vllm_tensor_parallel_size)
         torch.set_num_threads(len(mine))
-    actor = Actor(args, model_path, 0, emit, device, 1)
+    actor = Actor(args, model_path, 0, emit, device, 1, memory_share)
     if pin:
         import psutil
 
@@ -1207,13 +1163,12 @@ def start_colocated_actor(args: Args, model_path: str, emit, device: str) -> "Ac
 
 
 # -------------------------------------------------------------------------------------------------
-# Learner 0's side: the link to the actors (vLLM's weight-sync client) and the prompt dispatcher
+# Learner 0's side: the link to the actors and the prompt dispatcher
 # -------------------------------------------------------------------------------------------------
 class Link:
-    """Learner 0's view of the actors: `send_prompts(actor, list)`, a `results` queue of messages
-    (groups, errors), `send_weights(header, transfer)`. Colocated: queues. torchrun: gloo groups. The
-    weights themselves go through vLLM's weight-transfer engine, into the engines' workers; the Link is
-    that engine's client (vLLM's VLLMWeightSyncClient: its four calls)."""
+    """Learner 0's view of the actors: `send_prompts(actor, list)`, a `results` queue of messages (groups, errors),
+    and what the actors said about their engines (up, drained, wanting weights: read by WeightClient). Colocated:
+    queues. torchrun: gloo groups, one per kind of traffic (prompts, data, weights)."""
 
     def __init__(self, args: Args, actor_ranks: list[int], groups: dict | None, local_actor: Actor | None,
                  results: queue.Queue | None = None):
@@ -1224,10 +1179,9 @@ class Link:
         self.closing = threading.Event()
         self.lock = threading.Lock()
         self.error = None  # the first error an actor reported (stops a weight stream waiting on it)
-        self.header = {}  # of the update under way: its version and probe (vLLM's trainer engines pass none)
-        self.streamed = None  # the version of the last update sent to the engines
-        self.workers_hold_update = False  # our gloo backend: the calls go once the update is in the workers
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
+        self.ready = set()  # actor ranks whose engine is up
+        self.drained = {}  # actor rank -> the last version it drained for (drained updates)
         if local_actor is None:
             for r in actor_ranks:
                 threading.Thread(target=self._receive, args=(r,), daemon=True).start()
@@ -1242,6 +1196,12 @@ class Link:
                 if "want_weights" in msg:
                     self.wants[rank] = msg["want_weights"]
                     continue
+                if "ready" in msg:
+                    self.ready.add(rank)
+                    continue
+                if "drained" in msg:
+                    self.drained[rank] = msg["drained"]
+                    continue
                 self.error = self.error or msg.get("error")
                 self.results.put(msg)
                 if "done" in msg or "error" in msg:
@@ -1250,6 +1210,16 @@ class Link:
             if not self.closing.is_set():
                 self.error = self.error or f"link to actor rank {rank}: {e}"
                 self.results.put({"error": f"link to actor rank {rank}: {e}"})
+
+    def wait_for_actors(self, done, timeout_s: float, what: str):
+        """Wait until done() holds, at most timeout_s; an actor's error or the timeout ends the wait with an error
+        naming the actors that were waited on."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            why = self.error or (time.monotonic() > deadline and f"not in {timeout_s:.0f}s ({self.silent_actors()})")
+            if why:
+                raise RuntimeError(f"waiting for {what}: {why}")
+            time.sleep(0.05)
 
     def silent_actors(self) -> str:
         """Who a timeout waited on: each actor rank and how long since it last sent anything."""
@@ -1265,65 +1235,6 @@ class Link:
         else:
             with self.lock:  # the dispatcher thread and evaluation both send; a message is two sends
                 send_obj(prompts, self.actor_ranks[actor], self.groups["prompts"], self.args.timeout_s)
-
-    # vLLM's four calls (its VLLMWeightSyncClient), made by learner 0's trainer engine; each actor makes them on its
-    # LLM between two engine steps (Actor._apply_update), each once the one before returned. An update's calls
-    # travel as one message: sent at update_weights for NCCL, whose workers receive inside it; at finish for our gloo
-    # backend, whose workers then hold the whole update, so that an engine pauses for the load only, never for the
-    # wire. A call returns once sent; an actor's failure comes back as its error message.
-    def init_weight_transfer_engine(self, init_info: dict):
-        if self.local is not None:  # the colocated actor thread has not started yet
-            return self.local.init_weights(init_info)
-        self._post({"init_info": init_info})
-
-    def start_weight_update(self):
-        pass  # sent with the update
-
-    def update_weights(self, update_info: dict):
-        self.update = dict(self.header, update_info=update_info)
-        if not self.workers_hold_update:
-            self._post(self.update)
-
-    def finish_weight_update(self, weight_version: str | None = None):
-        if self.workers_hold_update:  # the version and probe the update carries are self.header
-            self._post(self.update)
-
-    def _post(self, msg: dict):
-        if self.local is not None:
-            self.local.updates.put(msg)
-        else:
-            broadcast_obj(msg, 0, self.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
-
-    def wants_weights(self) -> bool:
-        """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
-        before that update arrived is answered by it."""
-        asked = [self.local.wants] if self.local is not None else list(self.wants.values())
-        return any(v is not None and v >= self.streamed for v in asked)
-
-    def send_weights(self, header: dict, transfer, timeout_s: float):
-        """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
-        thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included)."""
-        self.streamed, self.header = header["version"], {k: v for k, v in header.items() if k != "stream"}
-        if not header.get("stream"):
-            return self._post(self.header)
-        self.workers_hold_update = isinstance(transfer, GlooTrainerWeightTransferEngine)
-        errors, done = [], threading.Event()
-
-        def send():
-            try:
-                transfer.send_weights()
-            except Exception as e:
-                errors.append(e)
-            done.set()
-
-        threading.Thread(target=send, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while not done.wait(0.05):
-            why = self.error or (time.monotonic() > deadline and f"no end in {timeout_s:.0f}s ({self.silent_actors()})")
-            if why:
-                raise RuntimeError(f"weight update to version {header['version']} abandoned: {why}")
-        if errors:
-            raise RuntimeError(f"weight update to version {header['version']} failed: {errors[0]}") from errors[0]
 
     def final_stats(self, num_actors: int, timeout_s: float) -> list[dict]:
         """After close(): the stats deltas of the messages nobody consumed and of each actor's last word
@@ -1381,7 +1292,7 @@ class Dispatcher(threading.Thread):
              "verifier": row["verifier"], "n": n}
         if min_version is not None:
             p["min_version"] = min_version
-        if row.get("tool_names"):  # a tool episode (Actor._end_turn)
+        if row.get("tool_names"):  # a tool episode (ToolEpisodes)
             p["tools"] = list(row["tool_names"])
         if kind == "train" and self.args.response_length_sampler == "exponential":  # BENCHMARK ONLY (bench_infra.sh)
             mean, longest = self.args.response_length_mean, self.args.max_response_length
@@ -1456,7 +1367,484 @@ class Dispatcher(threading.Thread):
 
 
 # -------------------------------------------------------------------------------------------------
-# The learner: setup, one step, the loop
+# WEIGHT UPDATES: learner 0 -> every engine through vLLM's weight-transfer engine (vLLM's nccl, our gloo on CPU)
+# -------------------------------------------------------------------------------------------------
+# In order: whether a step sends (stream_now); the send (sync_weights, WeightClient: vLLM's four calls); the engines'
+# end (EngineWeights: the calls made between two engine steps, the probe); the handshake at the start
+# (weight_transfer); our gloo backend and the weights' source (WireWeights); code in vLLM's workers (WorkerExtension).
+# -------------------------------------------------------------------------------------------------
+def stream_now(args: Args, layout: Layout, client: WeightClient | None, version: int, evaluates: bool) -> bool:
+    """ALL learners call this: does this step end with a weight update? Inflight updates: always. Drained
+    ones (departure, see EngineWeights.ask): when an engine asked, when the engines' weights would
+    otherwise be async_steps versions old at the next step (the off-policy bound: an engine may load one
+    step late), and before an evaluation (it measures the policy after this step). Learner 0 decides."""
+    if loads_inflight(args):
+        return True
+    decision = None
+    if layout.is_main:
+        decision = bool(evaluates or version - client.streamed >= args.async_steps or client.wants_weights())
+    if layout.num_learners > 1:
+        decision = broadcast_list([decision], layout.groups["learners"], args.timeout_s)[0]
+    return decision
+
+
+def sync_weights(args: Args, policy: Policy, layout: Layout, transfer, probe_ids, version: int, full: bool) -> dict:
+    """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the header (the version and the
+    learner's logprobs of the probe sequence) and, with `full`, the weights, in the training dtype, through vLLM's
+    trainer engine `transfer` (its client's send_weights; without `full`: the initial check). Returns seconds: sync
+    (all of it), and on learner 0 for full updates gather (producing the full tensors), drain (drained updates:
+    waiting for every engine to drain) and transfer (the rest)."""
+    t = time.perf_counter()
+    groups, num_learners = layout.groups, layout.num_learners
+    probe = None
+    if layout.is_main or num_learners > 1:
+        ids = broadcast_list(probe_ids, groups["learners"], args.timeout_s) if num_learners > 1 else probe_ids
+        with torch.no_grad():
+            batch = collate_bin([{"prompt_ids": ids[:1], "response_ids": ids[1:], "advantage": 0.0,
+                                  "sampling_logprobs": [0.0] * (len(ids) - 1)}])
+            with policy.autocast:
+                lp, _ = token_logprobs(policy.model, batch)
+        probe = lp[:-1].tolist()
+    t_send, transfer.source.seconds, drain = time.perf_counter(), 0.0, 0.0
+    if layout.is_main:
+        header = {"version": version, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
+        drain = transfer.client.send_weights(header, transfer, args.timeout_s if full else args.startup_timeout_s)
+    elif full:  # each gather is a collective of all learners
+        transfer.send_weights()
+    gather = transfer.source.seconds
+    times = ({"gather": gather, "drain": drain, "transfer": time.perf_counter() - t_send - gather - drain}
+             if full and layout.is_main else {})
+    return dict(times, sync=time.perf_counter() - t)
+
+
+class WeightClient:
+    """Learner 0's client of the engines' weight transfer (vLLM's VLLMWeightSyncClient: its four calls), the trainer
+    engine's `client`: the calls travel on the link's weights channel (colocated: the actor's update queue) and each
+    actor makes them on its LLM between two engine steps (EngineWeights). An update's calls travel as one message,
+    when the backend says (`receives_in_background`): at update_weights for NCCL, whose workers receive inside that
+    call; at finish for our gloo backend, whose workers already hold the whole update then, so that an engine pauses
+    for the load only, never for the wire.
+    Departure from vLLM's clients, which block until the engine has run each call: these return once the message is
+    sent, so send_weights returns before the engines have loaded (they load at their next step boundary). A failed
+    load ends its actor, which reports the error; learner 0 raises it at its next pull of groups or its next update,
+    whichever comes first: within one learner step of the update (at most --timeout_s)."""
+
+    def __init__(self, link: Link):
+        self.link, self.args = link, link.args
+        self.header = {}  # of the update under way: its version and probe (vLLM's trainer engines pass none)
+        self.streamed = None  # the version of the last update sent to the engines
+        self.sends_at_finish = False  # the update's calls go at finish_weight_update (the backend says)
+
+    def wait_for_engines(self, timeout_s: float):
+        """Every actor's engine is up (its first message). Learner 0 opens the weight stream's rendezvous only after
+        this: vLLM's NCCL store waits a fixed 300 s for the workers (StatelessProcessGroup's store_timeout), less
+        than a large engine may take to start; --startup_timeout_s bounds the start instead."""
+        link = self.link
+        if link.local is None:
+            link.wait_for_actors(lambda: link.ready >= set(link.actor_ranks), timeout_s,
+                                 f"the engines to start (up: actor ranks {sorted(link.ready)})")
+
+    def init_weight_transfer_engine(self, init_info: dict):
+        if self.link.local is not None:  # the actor thread runs, but its engine idles until the first update
+            return self.link.local.weights.join(init_info)
+        self._post({"init_info": init_info})
+
+    def start_weight_update(self):
+        pass  # sent with the update
+
+    def update_weights(self, update_info: dict):
+        self.update = dict(self.header, update_info=update_info)
+        if not self.sends_at_finish:
+            self._post(self.update)
+
+    def finish_weight_update(self, weight_version: str | None = None):
+        if self.sends_at_finish:  # the version and probe the update carries are self.header
+            self._post(self.update)
+
+    def _post(self, msg: dict):
+        if self.link.local is not None:
+            self.link.local.updates.put(msg)
+        else:
+            broadcast_obj(msg, 0, self.link.groups["weights"], max(self.args.timeout_s, self.args.startup_timeout_s))
+
+    def wants_weights(self) -> bool:
+        """Has an engine asked for newer weights than the last update sent (drained updates)? A request made
+        before that update arrived is answered by it."""
+        local = self.link.local
+        asked = [local.weights.wants] if local is not None else list(self.link.wants.values())
+        return any(v is not None and v >= self.streamed for v in asked)
+
+    def drain_engines(self, version: int, timeout_s: float):
+        """Drained updates: ask every engine to drain and wait until all have, before any byte of the update moves.
+        (With NCCL an engine receives only inside update_weights, which it calls once drained: sending earlier would
+        hold learner 0 in the broadcast, and the other learners in their gathers, under NCCL's watchdog, until the
+        slowest engine drains. Our gloo backend waits here the same way.)"""
+        link = self.link
+        self._post({"drain": version})
+        drained = (lambda: link.local.weights.drained == version) if link.local is not None else (
+            lambda: all(link.drained.get(r) == version for r in link.actor_ranks))
+        link.wait_for_actors(drained, timeout_s, f"every engine to drain for version {version}")
+
+    def send_weights(self, header: dict, transfer, timeout_s: float):
+        """A weight update: its header (version, probe) and, with `stream`, the weights (vLLM's send_weights, in a
+        thread: a dead or stopped engine ends it with an error within timeout_s, NCCL's waits included). Drained
+        updates first wait for every engine to drain (drain_engines). Returns the seconds that wait took."""
+        self.streamed, self.header = header["version"], {k: v for k, v in header.items() if k != "stream"}
+        if not header.get("stream"):
+            return self._post(self.header)
+        t = time.perf_counter()
+        if not loads_inflight(self.args):
+            self.drain_engines(header["version"], timeout_s)
+        drain_s = time.perf_counter() - t
+        self.sends_at_finish = getattr(transfer, "receives_in_background", False)  # vLLM's NCCL engine: False
+        errors, done = [], threading.Event()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def send():
+            try:
+                if device is not None:  # a new thread's current CUDA device is 0, whatever this rank's is
+                    torch.cuda.set_device(device)
+                transfer.send_weights()
+            except Exception as e:
+                errors.append(e)
+            done.set()
+
+        threading.Thread(target=send, daemon=True).start()
+        self.link.wait_for_actors(done.is_set, timeout_s, f"the weight update to version {header['version']}")
+        if errors:
+            raise RuntimeError(f"weight update to version {header['version']} failed: {errors[0]}") from errors[0]
+        return drain_s
+
+
+class EngineWeights:
+    """An actor's end of the weight updates, called by its engine loop between two engine steps: it makes learner
+    0's calls on the engine's LLM (vLLM's weight-transfer protocol), holds admission while an update waits, tells
+    learner 0 when its engine drained or needs newer weights (drained updates), and probes every update."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self.next = None  # the update (or drain request) received and not loaded yet
+        self.drain_t0 = None  # when the engine began draining for `next`
+        self.probe = None  # (request id, learner probe logprobs, version, probe ids) while a probe runs
+        self.wants = None  # drained updates: the version whose successor this engine asked for (ask)
+        self.drained = None  # drained updates: the version it last drained for, told learner 0
+
+    def join(self, init_info: dict):
+        """vLLM's init_weight_transfer_engine: this engine's workers join learner 0's weight stream as ranks
+        rank_offset + actor id x tensor_parallel_size + their tensor-parallel rank; returns once all have."""
+        actor = self.actor
+        offset = init_info["rank_offset"] + actor.actor_id * actor.args.vllm_tensor_parallel_size
+        actor.llm.init_weight_transfer_engine({"init_info": dict(init_info, rank_offset=offset)})
+
+    def between_steps(self) -> bool:
+        """Load the next update when the engine may: inflight updates at once; drained ones (and static batches) once
+        nothing runs, after answering learner 0's drain request, which arrives first. Returns whether no update
+        waits, so that the engine may admit prompts."""
+        actor = self.actor
+        if self.next is None or "drain" in self.next:  # a drain request holds until its update comes
+            with contextlib.suppress(queue.Empty):
+                self.next = actor.updates.get_nowait()
+        if self.next is None:
+            return True
+        if not (actor.version is None or loads_inflight(actor.args) or actor.drained()):
+            self.drain_t0 = self.drain_t0 or time.perf_counter()  # draining: admit nothing until it loads
+            return False
+        if self.drain_t0 is not None:
+            actor.stats["drain_s"] += time.perf_counter() - self.drain_t0
+            self.drain_t0 = None
+        if "drain" in self.next:  # learner 0 sends once every engine said this
+            if self.drained != self.next["drain"]:
+                self.drained = self.next["drain"]
+                actor.emit({"drained": self.drained, "actor": actor.actor_id})
+            return False
+        actor.busy_since = time.monotonic()
+        self.load(self.next)
+        actor.busy_since, self.next = None, None
+        return True
+
+    def load(self, update: dict):
+        """Make learner 0's calls on the LLM: with `update_info`, start_weight_update, update_weights (the workers load
+        the weights learner 0 sends them) and finish_weight_update with the version; without, update_weight_version
+        only. Inflight: running requests and their KV cache stay; the scheduler pause only makes vLLM's per-token
+        version labels exact."""
+        actor, t = self.actor, time.perf_counter()
+        if "update_info" in update:
+            actor.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
+            try:
+                actor.llm.start_weight_update()
+                actor.llm.update_weights({"update_info": update["update_info"]})
+                actor.llm.finish_weight_update(str(update["version"]))
+            except Exception as e:
+                raise RuntimeError(f"actor {actor.actor_id}: weight update after version {actor.version} failed; the "
+                                   f"engine is unusable now: {e}") from e
+            actor.engine.engine_core.call_utility("resume_scheduler")
+            actor.stats["weight_load_s"] += time.perf_counter() - t
+            actor.stats["weight_loads"] += 1
+        else:
+            actor.llm.update_weight_version(str(update["version"]))
+        actor.version, self.wants = update["version"], None
+        actor.stats["updates"] += 1
+        if update.get("probe_ids"):
+            self.start_probe(update["probe_ids"], update["probe_logprobs"], update["version"])
+
+    def ask(self):
+        """Departure (drained updates): an engine that must drain to load asks for new weights only when it
+        needs them: once it has drained by itself and every prompt it holds needs newer weights than its own (the
+        version gate; the engine loop calls this then), so that it drains about once per async_steps learner steps,
+        not at every one, and learner 0, which sends only once every engine has drained, does not wait on its
+        running requests. Learner 0 streams at its next step boundary (stream_now). Once per version. (Asking as
+        soon as nothing more was startable, running requests or not, made learner 0 stream at 29 of 30 steps of
+        bench_infra.sh's continuous_drained run and wait for each drain.)"""
+        if self.wants is None:
+            self.wants = self.actor.version
+            self.actor.emit({"want_weights": self.wants, "actor": self.actor.actor_id})
+
+    def start_probe(self, probe_ids: list[int], learner_logprobs: list[float], version: int):
+        from vllm import SamplingParams
+
+        rid = f"probe-{version}"  # a fresh cache salt: the probe must not hit KV cached under old weights
+        self.actor.add_request(rid, probe_ids, rid, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
+        self.probe = (rid, learner_logprobs, version, probe_ids)
+
+    def check_probe(self, out):
+        """The engine's logprobs of the probe against the learner's: a mismatch is fatal (stale or corrupted
+        weights, which would otherwise show only as drifting logprobs)."""
+        actor, (rid, learner_lp, version, ids) = self.actor, self.probe
+        self.probe = None
+        engine_lp = [d[ids[t]].logprob for t, d in enumerate(out.prompt_logprobs) if t > 0]
+        diff = np.abs(np.array(engine_lp) - np.array(learner_lp))
+        exact = actor.dtype == torch.float32 and not actor.args.bf16  # both sides in fp32
+        tol = actor.args.probe_tolerance or (2e-3 if exact else 5e-2)
+        actor.stats["probe_checks"] += 1
+        actor.stats["probe_mean_abs_diff"] = max(actor.stats["probe_mean_abs_diff"], float(diff.mean()))
+        actor.stats["probe_max_abs_diff"] = max(actor.stats["probe_max_abs_diff"], float(diff.max()))
+        if not diff.mean() <= tol:
+            raise RuntimeError(f"actor {actor.actor_id}: engine logprobs of the probe differ from the learner's after "
+                               f"the update to version {version}: mean |diff| {diff.mean():.3g} "
+                               f"(max {diff.max():.3g}) > {tol:g}. "
+                               "The engine is serving stale or corrupted weights.")
+
+
+def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | None):
+    """ALL learners: vLLM's trainer engine over the policy's weights in the training dtype (WireWeights), learner 0
+    the sender: once every engine is up, it opens the stream's rendezvous at transfer_address() and every engine's
+    workers join it (through its client, WeightClient over `link`). The other learners only join the gathers."""
+    address, port, workers = "", 0, layout.num_actors * args.vllm_tensor_parallel_size
+    client = WeightClient(link) if layout.is_main else None
+    if layout.is_main:
+        client.wait_for_engines(args.startup_timeout_s)
+        address = transfer_address(layout.world_size)
+    if weight_backend(layout.device) == "nccl":
+        if layout.is_main:
+            from vllm.utils.network_utils import get_open_port
+
+            port = get_open_port()
+        info = NCCLTrainerInitInfo(address, port, 1 + workers, rank=layout.rank)
+    else:
+        info = GlooTrainerInitInfo(address, port, 1 + workers, timeout_s=max(args.timeout_s, args.startup_timeout_s),
+                                   rank=layout.rank)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client,
+                                                     source=WireWeights(policy.model, policy.wire_dtype))
+
+
+def transfer_address(world_size: int) -> str:
+    """Where the engines' workers reach learner 0's weight stream: VLLM_HOST_IP when set, else this host's outbound
+    interface (vLLM's get_ip(), as vLLM's own examples bind); 127.0.0.1 when the engine runs beside the learner.
+    (Not MASTER_ADDR: under torchrun's c10d rendezvous that is the first node's host name, maybe not learner 0's,
+    and it may resolve to an interface the other nodes cannot reach.)"""
+    if world_size == 1 and not os.environ.get("VLLM_HOST_IP"):
+        return "127.0.0.1"
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()
+
+
+def probe_ids_for(train_ds, tokenizer) -> list[int]:
+    """The sequence whose logprobs learner and engines compare after every update: a training prompt and
+    a fixed answer."""
+    return (list(train_ds[0]["prompt_input_ids"])
+            + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False))
+
+
+# vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
+# GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
+# pickled handles), ours: vLLM's NCCL engines with a gloo group, an update sent as one broadcast of its bytes.
+GLOO_BACKEND = "grpo_gloo"
+
+
+def weight_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") and dist.is_initialized() else GLOO_BACKEND
+
+
+@dataclass(kw_only=True)
+class GlooInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join learner 0's gloo group (no NCCL packing: an update travels as one broadcast)."""
+    master_address: str
+    master_port: int
+    rank_offset: int  # the worker's rank = rank_offset + its tensor-parallel rank
+    world_size: int
+    timeout_s: float = 1800.0
+    update_bytes: int = 0  # every update's size: the sender's metadata, fixed for the run
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = GLOO_BACKEND
+    master_address: str
+    master_port: int  # 0: any free port
+    world_size: int  # learner 0 and every engine worker
+    timeout_s: float = 1800.0
+
+
+class GlooWeightTransferEngine(NCCLWeightTransferEngine):
+    """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
+    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
+    A thread receives each update as learner 0 sends it, while the engine generates (NCCL's receive waits for the
+    engine's next step: the learner waited 2x longer in a toy run); it holds at most two updates (a CPU model is
+    small), and learner 0 waits beyond that."""
+    init_info_cls = GlooInitInfo
+
+    def init_transfer_engine(self, info: GlooInitInfo) -> None:
+        if info.update_bytes <= 0:  # the receiving thread would fail at once, and every update with it
+            raise ValueError("grpo_gloo: the init info gives no update size (the trainer engine sends it)")
+        self.timeout, self.inbox = datetime.timedelta(seconds=info.timeout_s), queue.Queue(maxsize=1)
+        store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
+        self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
+                                          self.timeout)
+        threading.Thread(target=self._receive, args=(info.update_bytes,), daemon=True).start()
+
+    def _receive(self, size: int) -> None:
+        try:  # update after update; an error ends the thread and fails the next update
+            while True:
+                flat = torch.empty(size, dtype=torch.uint8)
+                self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
+                self.inbox.put(flat)
+        except Exception as e:
+            self.inbox.put(e)
+
+    def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update) -> None:
+        """The next update's bytes cut into the announced tensors, checked, then loaded (load_weights: a
+        tensor-parallel worker takes its shard)."""
+        try:
+            flat = self.inbox.get(timeout=self.timeout.total_seconds())
+        except queue.Empty:
+            raise TimeoutError(f"weight stream: no update from learner 0 within {self.timeout}") from None
+        if isinstance(flat, Exception):
+            raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
+        dtypes = [getattr(torch, d) for d in update.dtype_names]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update.shapes, dtypes)]
+        if sum(sizes) != flat.numel():
+            raise ValueError(f"weight stream: {flat.numel()} bytes where the update's tensors take {sum(sizes)}")
+        weights = unpack_tensor(flat, update.names, update.shapes, dtypes, sizes)
+        if bad := [name for name, w in weights if not torch.isfinite(w).all()]:
+            raise ValueError(f"weight stream: non-finite values in {', '.join(bad)}")
+        self.model.load_weights(weights)
+
+
+class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """Learner 0's end of our gloo backend: vLLM's NCCL trainer engine (its send_weights makes the four calls and
+    checks the source against its metadata), its group and broadcast gloo's; the other learners only iterate."""
+    init_info_cls = GlooTrainerInitInfo
+    receives_in_background = True  # its workers hold the whole update before their engine calls update_weights
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
+        if engine.is_sender:  # one buffer of the update's bytes, kept across updates
+            engine.buffer = torch.empty(sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()),
+                                        dtype=torch.uint8)
+            store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
+                                  timeout=engine.timeout)
+            info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
+                                world_size=init_info.world_size, timeout_s=init_info.timeout_s,
+                                update_bytes=engine.buffer.numel())
+            with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
+                joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
+                engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
+                joined.result()
+            engine.store = store
+        return engine
+
+    def shutdown(self) -> None:
+        self.gloo = self.store = None  # the group's connections and the store's server close with them
+
+    def _broadcast(self, source, meta) -> None:
+        if not self.is_sender:
+            return super()._broadcast(source, meta)
+        at = 0  # _checked_iter holds each tensor to its metadata, so the bytes fill the buffer exactly
+        for _, tensor in self._checked_iter(source, meta):
+            flat = tensor.contiguous().view(-1).view(torch.uint8)
+            self.buffer[at:at + flat.numel()].copy_(flat)
+            at += flat.numel()
+        self.gloo.broadcast([self.buffer], dist.BroadcastOptions()).wait(self.timeout)
+
+
+_OUR_ENGINES = ((WeightTransferEngineFactory, GlooWeightTransferEngine),
+                (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine))
+
+
+for _factory, _engine in _OUR_ENGINES if WeightTransferEngineFactory else ():
+    with contextlib.suppress(ValueError):  # registered already: a forked vLLM process inherits its parent's registry
+        _factory.register_engine(GLOO_BACKEND, _engine)
+
+
+class WireWeights(WeightSource):
+    """The state dict in the training dtype, one full tensor at a time (FSDP2: each shard cast, then gathered, just
+    before it goes; every learner iterates, in order). `seconds`: the time spent producing them (the gather)."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype, self.seconds = model, dtype, 0.0
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(k, self.dtype, tuple(v.shape)) for k, v in self.model.state_dict().items()]
+
+    def __iter__(self):
+        for name, v in self.model.state_dict().items():
+            t = time.perf_counter()
+            tensor = materialize_full_tensor(v.detach().to(self.dtype))
+            self.seconds += time.perf_counter() - t
+            yield name, tensor
+
+
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (`worker_extension_cls`, imported there by name, so nothing is pickled
+    into a worker; the import also registers our gloo backend before the worker builds its engine)."""
+
+    def grpo_watch_owner(self, owner_pid: int) -> None:
+        """vLLM's engine processes outlive a frontend killed with SIGKILL: a thread here takes the engine core (this
+        worker's parent) and the worker down once the process that owns the engine is gone."""
+        engine_core = os.getppid()
+
+        def watch():
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(owner_pid, 0)
+                except ProcessLookupError:
+                    # Only while the engine core is still our parent: once it is gone this process has
+                    # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
+                    if os.getppid() == engine_core:
+                        os.kill(engine_core, signal.SIGKILL)
+                    os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+        # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor. A
+        # rotary embedding has none (its cos/sin cache comes from the config): that warning meant nothing.
+        import logging
+
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda r: not (str(r.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(r.args)))
+
+
+
+
+
+# -------------------------------------------------------------------------------------------------
+# The learner: setup, the loop, `main`
 # -------------------------------------------------------------------------------------------------
 def check_rlvr_rows(dataset, flag: str, limit: int = 20, allow_unsandboxed_code: bool = False) -> None:
     """Stop before any training on rows that can never earn a reward, naming each by file and line: no
@@ -1529,6 +1917,7 @@ class Policy:
     bf16: bool
     pack_length: int  # tokens per packed row
     forward_tokens: int  # tokens per forward pass
+    engine_share: float | None = None  # one GPU: the colocated engine's gpu_memory_utilization (colocated_engine_share)
 
     @property
     def wire_dtype(self) -> torch.dtype:  # the weights go to the engines in the training dtype
@@ -1550,15 +1939,23 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
     # Few large matmuls beat many small ones on a GPU. On CPU one packed row per pass is faster beside a running
     # engine: batched rows trained 30% slower there (4.5 s against 3.4 s a step, toy model, 32 samples).
     forward_tokens = args.forward_tokens or (pack_length if device == "cpu" else max(pack_length, 16384))
-    plan = memory_plan(AutoConfig.from_pretrained(model_path), forward_tokens, 1, num_learners, bf16,
+    config = AutoConfig.from_pretrained(model_path)
+    plan = memory_plan(config, forward_tokens, 1, num_learners, bf16,
                        args.gradient_checkpointing, args.logprob_chunk_size, flash_attention=flash)
     if args.beta > 0:  # the frozen reference: fp32, unsharded, on every learner
         plan["reference"] = plan["weights"] * num_learners
         plan["total"] += plan["reference"]
-    line = check_memory_plan(plan,
-                             device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
-                             "--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, "
-                             "--bf16, a smaller --logprob_chunk_size")
+    available = device_memory_bytes(torch.device(device), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    knobs = ("--gradient_checkpointing, more learners (--num_learners), a smaller --pack_length, --bf16, a smaller "
+             "--logprob_chunk_size")
+    line = check_memory_plan(plan, available, knobs)
+    engine_share = None
+    if layout.world_size == 1 and device.startswith("cuda"):  # one GPU: the engine gets what the learner leaves
+        need = engine_memory_need(ModelShape.from_config(config), plan["weights"] / 4,
+                                  args.max_prompt_length + args.max_response_length)
+        engine_share = colocated_engine_share(plan["total"], available, args.vllm_gpu_memory_utilization, need, knobs)
+        line += (f"; the colocated vLLM engine: {engine_share:.2f} of the GPU ({engine_share * available / 2**30:.1f} "
+                 f"GiB, its weights and one full-length sequence's KV cache need {need / 2**30:.1f})")
     if layout.is_main:
         print(f"[grpo] {line}", flush=True)
     attn = "flash_attention_2" if flash else "sdpa"
@@ -1588,7 +1985,38 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
     updates = args.num_training_steps * args.num_mini_batches * args.num_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 1.0 if args.lr_scheduler_type == "constant" else max(0.0, 1.0 - s / max(1, updates)))
-    return Policy(tokenizer, model, ref_model, optimizer, scheduler, autocast, bf16, pack_length, forward_tokens)
+    return Policy(tokenizer, model, ref_model, optimizer, scheduler, autocast, bf16, pack_length, forward_tokens,
+                  engine_share)
+
+
+# What a GPU holds beside the learner's plan and the engine's share: two CUDA contexts (learner and engine processes,
+# about 0.5 GiB each) and the caching allocator's slack. An estimate, not a measurement (no GPU with vLLM here).
+COLOCATED_HEADROOM_BYTES = 2 * 2**30
+
+
+def engine_memory_need(shape: ModelShape, params: float, max_model_len: int) -> int:
+    """The least a vLLM engine starts with: its bf16 weights and the KV cache of one sequence of max_model_len tokens
+    (vLLM refuses to start with less)."""
+    return int(2 * params + shape.kv_bytes_per_token(2) * max_model_len)
+
+
+def colocated_engine_share(learner_bytes: float, device_bytes: int, requested: float, engine_need: int,
+                           knobs: str) -> float:
+    """One GPU for learner and engine (`python grpo.py`): the engine's gpu_memory_utilization. vLLM reads it as a
+    share of the whole GPU and refuses to start when less than that is free, and the learner, loaded first, keeps its
+    plan's memory (weights, gradients, AdamW, compute copy, activations, logits): the engine gets what that plan
+    leaves, less COLOCATED_HEADROOM_BYTES, at most --vllm_gpu_memory_utilization. Stops the run, naming the knobs,
+    when that cannot hold the engine's weights and one full-length sequence (`engine_need`)."""
+    share = min(requested, (device_bytes - learner_bytes - COLOCATED_HEADROOM_BYTES) / device_bytes)
+    if share * device_bytes < engine_need:
+        gib = 2**30
+        raise SystemExit(
+            f"memory plan: one GPU of {device_bytes / gib:.1f} GiB cannot hold the learner ({learner_bytes / gib:.1f} "
+            f"GiB planned) and a vLLM engine beside it (at least {engine_need / gib:.1f} GiB: its weights and one "
+            f"sequence of --max_prompt_length + --max_response_length tokens; {max(share, 0) * device_bytes / gib:.1f} "
+            f"GiB left). Run learner and engine on separate GPUs (torchrun --nproc-per-node 2), or change one of: "
+            f"{knobs}, shorter sequences.")
+    return share
 
 
 def restore_training_state(latest: str, policy: Policy, num_learners: int) -> tuple[int, int]:
@@ -1647,7 +2075,7 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
     local_actor = None
     if layout.world_size == 1:
         results = queue.Queue()
-        local_actor = start_colocated_actor(args, model_path, results.put, layout.device)
+        local_actor = start_colocated_actor(args, model_path, results.put, layout.device, policy.engine_share)
         link = Link(args, [], None, local_actor, results)
     else:
         link = Link(args, layout.actor_ranks, layout.groups, None)
@@ -1655,78 +2083,13 @@ def connect_actors(args: Args, policy: Policy, layout: Layout, model_path: str) 
         def actor_thread():
             try:
                 local_actor.run()
-                link.results.put({"done": 0, "stats": local_actor._take_stats()})
+                link.results.put({"done": 0, "stats": local_actor.take_stats()})
             except Exception as e:
                 link.error = link.error or f"the actor thread: {e}"
                 link.results.put({"error": "".join(traceback.format_exception(e))})
 
         threading.Thread(target=actor_thread, daemon=True).start()
     return link, local_actor
-
-
-def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | None):
-    """ALL learners: vLLM's trainer engine over the policy's weights in the training dtype (WireWeights), learner 0
-    the sender: every engine's workers join its stream here (through `link`, its client)."""
-    address, workers = os.environ.get("MASTER_ADDR", "127.0.0.1"), layout.num_actors * args.vllm_tensor_parallel_size
-    if weight_backend(layout.device) == "nccl":
-        from vllm.utils.network_utils import get_open_port
-
-        info = NCCLTrainerInitInfo(address, get_open_port(), 1 + workers, rank=layout.rank)
-    else:
-        info = GlooTrainerInitInfo(address, 0, 1 + workers, timeout_s=max(args.timeout_s, args.startup_timeout_s),
-                                   rank=layout.rank)
-    return WeightTransferTrainerFactory.trainer_init(info, client=link,
-                                                     source=WireWeights(policy.model, policy.wire_dtype))
-
-
-def probe_ids_for(train_ds, tokenizer) -> list[int]:
-    """The sequence whose logprobs learner and engines compare after every update: a training prompt and
-    a fixed answer."""
-    return (list(train_ds[0]["prompt_input_ids"])
-            + tokenizer.encode("<think>1+1=2</think>\n\\boxed{2}", add_special_tokens=False))
-
-
-def sync_weights(args: Args, policy: Policy, layout: Layout, link: Link | None, transfer, probe_ids, version: int,
-                 full: bool) -> dict:
-    """ALL learners call this (FSDP2 gathers are collective). Learner 0 sends the header (the version and the
-    learner's logprobs of the probe sequence) and, with `full`, the weights, in the training dtype, through vLLM's
-    trainer engine `transfer` (Link.send_weights; without `full`: the initial check). Returns seconds: sync (all of
-    it), and on learner 0 for full updates gather (producing the full tensors) and transfer (the rest)."""
-    t = time.perf_counter()
-    groups, num_learners = layout.groups, layout.num_learners
-    probe = None
-    if layout.is_main or num_learners > 1:
-        ids = broadcast_list(probe_ids, groups["learners"], args.timeout_s) if num_learners > 1 else probe_ids
-        with torch.no_grad():
-            batch = collate_bin([{"prompt_ids": ids[:1], "response_ids": ids[1:], "advantage": 0.0,
-                                  "sampling_logprobs": [0.0] * (len(ids) - 1)}])
-            with policy.autocast:
-                lp, _ = token_logprobs(policy.model, batch)
-        probe = lp[:-1].tolist()
-    t_send, transfer.source.seconds = time.perf_counter(), 0.0
-    if layout.is_main:
-        header = {"version": version, "stream": full, "probe_ids": probe_ids, "probe_logprobs": probe}
-        link.send_weights(header, transfer, args.timeout_s if full else args.startup_timeout_s)
-    elif full:  # each gather is a collective of all learners
-        transfer.send_weights()
-    gather = transfer.source.seconds
-    times = {"gather": gather, "transfer": time.perf_counter() - t_send - gather} if full and layout.is_main else {}
-    return dict(times, sync=time.perf_counter() - t)
-
-
-def stream_now(args: Args, layout: Layout, link: Link | None, version: int, evaluates: bool) -> bool:
-    """ALL learners call this: does this step end with a weight update? Inflight updates: always. Drained
-    ones (departure, see Actor._ask_for_weights): when an engine asked, when the engines' weights would
-    otherwise be async_steps versions old at the next step (the off-policy bound: an engine may load one
-    step late), and before an evaluation (it measures the policy after this step). Learner 0 decides."""
-    if args.inflight_updates and args.batching != "static":
-        return True
-    decision = None
-    if layout.is_main:
-        decision = bool(evaluates or version - link.streamed >= args.async_steps or link.wants_weights())
-    if layout.num_learners > 1:
-        decision = broadcast_list([decision], layout.groups["learners"], args.timeout_s)[0]
-    return decision
 
 
 def score_groups(groups: list[dict], counts: Counter, tokenizer, pool) -> None:
@@ -1796,10 +2159,9 @@ class Rollouts:
         """One step's groups (Olmo 3 sec 4.4: active sampling until num_unique_prompts_per_step groups
         with gradient), after the off-policy filter and scoring. Returns them, the step's counts, and the
         rewards of every group the step consumed, kept or filtered (the policy's solve rate)."""
-        args, counts, pulled, useful = self.args, Counter(), [], 0
+        args, counts, pulled = self.args, Counter(), []
 
         def pull_scored():
-            nonlocal useful
             if self.surplus:  # pulled and scored last step, beyond that step's batch
                 gs, self.surplus = self.surplus, []
             else:
@@ -1807,23 +2169,19 @@ class Rollouts:
             n_pulled = len(gs)
             gs, dropped, _, _ = offpolicy_filter(gs, version, args.max_token_lag)
             counts.update(dropped)
+            if n_pulled > len(gs):  # dropped as stale: consumed
+                self.dispatcher.consumed(n_pulled - len(gs))
             self.score([g for g in gs if "rewards" not in g], counts)
             pulled.extend(gs)
-            # Departure (the admission gate, see admission_version): the dispatcher counts as consumed only
-            # what active sampling takes this step, in order, until it has its groups. The surplus stays in
-            # flight until a later step takes it, so the prefetch window and the gate bound the groups that
-            # wait here too (else, when an engine delivers in bursts, the surplus and the lag grow).
-            taken = n_pulled - len(gs)  # dropped as stale: consumed
-            for g in gs:
-                if useful >= args.num_unique_prompts_per_step:
-                    break
-                taken += 1
-                useful += filter_reason(g["rewards"]) is None
-            self.dispatcher.consumed(taken, args.num_unique_prompts_per_step - useful)
             return gs
 
+        # Departure (the admission gate, see admission_version): the dispatcher counts as consumed only what active
+        # sampling takes this step, in order, until it has its groups. The surplus stays in flight until a later step
+        # takes it, so the prefetch window and the gate bound the groups that wait here too (else, when an engine
+        # delivers in bursts, the surplus and the lag grow).
         batch, extra, selection = active_sampling(pull_scored, args.num_unique_prompts_per_step,
-                                                  args.max_prompts_per_step_factor * args.num_unique_prompts_per_step)
+                                                  args.max_prompts_per_step_factor * args.num_unique_prompts_per_step,
+                                                  consumed=self.dispatcher.consumed)
         self.surplus.extend(extra)
         counts.update(selection)
         # surplus groups count in the step that consumes them: a step fed from the last one's alone is not empty
@@ -1991,7 +2349,7 @@ def rollout_metrics(batch, counts, lags, first_lags, scored, stats_list, args) -
         m["perf/peak_source"] = stats_list[-1]["peak_source"]
         m["perf/peak_flops"], m["perf/peak_memory_bandwidth"] = stats_list[-1]["peak_flops"], stats_list[-1]["peak_bw"]
     if s["weight_loads"]:  # the engines' own loading of the updates they reported this step, mean per engine
-        m["time/weight_load"] = s["weight_apply_s"] / s["weight_loads"]
+        m["time/weight_load"] = s["weight_load_s"] / s["weight_loads"]
     if s["static_waste_n"]:
         m["perf/static_wasted_fraction"] = s["static_waste_sum"] / s["static_waste_n"]
     episodes = [smp for g in batch for smp in g["samples"] if "tool_turns" in smp]
@@ -2041,7 +2399,7 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
         logger = MetricsLogger(args, append=latest is not None)
     transfer = weight_transfer(args, policy, layout, link)
     version = start_step
-    sync_weights(args, policy, layout, link, transfer, probe_ids, version, full=False)  # the engines loaded model_path
+    sync_weights(args, policy, layout, transfer, probe_ids, version, full=False)  # the engines loaded model_path
     if is_main:
         dispatcher = Dispatcher(args, train_ds, link, layout.num_actors, position, version)
         dispatcher.start()
@@ -2055,35 +2413,18 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
             eval_history.append((step, ev["eval/pass@1"]))
             logger.log(step, ev, kind="eval")
             t_step = time.perf_counter()  # step time excludes evaluation
-        # ---- ALGO LOGIC: rollouts (learner 0): active sampling, rewards, advantages, the packed batch
-        metrics, plan = {}, None
-        if is_main:
-            t = time.perf_counter()
-            batch, counts, scored = rollouts.next_batch(version)
-            metrics["time/data_wait"] = time.perf_counter() - t
-            plan = plan_step(batch, args, policy, num_learners)
-            _, _, lags, first_lags = offpolicy_filter(batch, version)  # the lag of what this step trains on
-            actor_stats = rollouts.take_stats()
-            metrics.update(rollout_metrics(batch, counts, lags, first_lags, scored, actor_stats, args))
-            rollouts.check_infra(counts)
-        if num_learners > 1:
-            plan = broadcast_list(plan, groups["learners"], args.timeout_s)
-        # ---- ALGO LOGIC: loss, backward, clip, step on this learner's share
-        t = time.perf_counter()
-        pad_id = policy.tokenizer.pad_token_id or 0
-        minibatches = [([collate_forward(forward, pad_id) for forward in shares[layout.rank]], num_tokens)
-                       for shares, num_tokens in plan]
-        agg, grad_norms, learner_tokens = train_on(policy, minibatches, args, num_learners)
-        train_time = time.perf_counter() - t
-        version += 1
-        # ---- weights to the engines (inflight: they keep generating), then the prompt gate moves on
         evaluates = eval_ds is not None and args.eval_every and ((step + 1) % args.eval_every == 0
                                                                  or step + 1 == args.num_training_steps)
-        streams = stream_now(args, layout, link, version, evaluates)
-        sync = (sync_weights(args, policy, layout, link, transfer, probe_ids, version, full=True) if streams
-                else {"sync": 0.0})
+        out = one_step(args, layout, policy, rollouts, transfer, probe_ids, version, evaluates)
+        agg, grad_norms, learner_tokens = out["agg"], out["grad_norms"], out["learner_tokens"]
+        train_time, sync, streams = out["train_time"], out["sync"], out["streams"]
+        version += 1
         if is_main:
-            dispatcher.begin_step(version)
+            dispatcher.begin_step(version)  # the prompt gate moves on
+            batch, actor_stats = out["batch"], out["actor_stats"]
+            _, _, lags, first_lags = offpolicy_filter(batch, version - 1)  # the lag of what this step trained on
+            metrics = {"time/data_wait": out["data_wait"], **rollout_metrics(batch, out["counts"], lags, first_lags,
+                                                                            out["scored"], actor_stats, args)}
         if num_learners > 1:  # each learner trained its own bins: the step's numbers are sums over learners
             parts = broadcast_list([dict(agg, learner_tokens=learner_tokens)], groups["learners"], args.timeout_s,
                                    gather=True)
@@ -2102,20 +2443,20 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
             metrics.update({"time/train": train_time, "time/weight_sync": sync["sync"], "time/step": step_time,
                             "sync/streamed": int(streams),
                             "time/save": save_time,
-                            **{f"time/weight_{k}": sync[k] for k in ("gather", "transfer") if k in sync},
+                            **{f"time/weight_{k}": sync[k] for k in ("gather", "drain", "transfer") if k in sync},
                             "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9)})
             totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
                            "learner_tokens": learner_tokens, "train_time": train_time, "sync_time": sync["sync"],
                            "save_time": save_time, "weight_updates": int(streams),
-                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "transfer")}})
+                           **{f"sync_{k}_time": sync.get(k, 0.0) for k in ("gather", "drain", "transfer")}})
             add_actor_totals(totals, actor_stats)
             logger.log(step + 1, metrics)
-    finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
+    finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
                eval_history, run_t0)
     return 0
 
 
-def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
+def finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, rollouts, pool, logger, eval_ds, totals,
                eval_history, run_t0) -> None:
     """The final model in output_dir (HF layout, as sft.py and dpo.py leave it: the next stage points
     here), then on learner 0 the final evaluation, the summary, and shutdown."""
@@ -2135,6 +2476,7 @@ def finish_run(args, policy, layout, link, local_actor, dispatcher, rollouts, po
     dispatcher.join(timeout=10)
     link.close()
     last_stats = rollouts.take_stats() + link.final_stats(layout.num_actors, timeout_s=30.0)
+    transfer.shutdown()  # the actors have stopped: the weight stream's group and store go
     add_actor_totals(totals, last_stats, loads_only=True)
     write_summary(args, totals, eval_history, run_t0, local_actor)
     pool.close()
@@ -2163,10 +2505,13 @@ def main():
     device = f"cuda:{local_rank}" if use_cuda else "cpu"
     timeout = datetime.timedelta(seconds=args.timeout_s)
     num_learners = min(args.num_learners, world_size - 1) if world_size > 1 else 1
+    if world_size > 1:  # roles by each node's process count, whatever order torchrun numbered the nodes in
+        rank, local_learners, store = join_run(num_learners, timeout)
+        os.environ["RANK"] = str(rank)
     is_learner = rank < num_learners
     gpus = None
     if use_cuda and world_size > 1 and not is_learner:  # this actor rank's engine: its own tensor-parallel GPUs
-        first, gpus = engine_gpus(rank, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_learners,
+        first, gpus = engine_gpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), local_learners,
                                   args.vllm_tensor_parallel_size, torch.cuda.device_count())
         device = f"cuda:{first}"
     cores = None
@@ -2178,7 +2523,8 @@ def main():
     if world_size > 1:
         if use_cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     actor_ranks = list(range(num_learners, world_size))
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
@@ -2224,171 +2570,6 @@ def main():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
-
-
-
-# -------------------------------------------------------------------------------------------------
-# PLUMBING: weight transfer through vLLM's engine (vLLM's nccl on GPU, our gloo backend on CPU)
-# -------------------------------------------------------------------------------------------------
-# vLLM's weight-transfer engine (vllm/distributed/weight_transfer) carries the weights: vLLM's `nccl` backend between
-# GPUs; on CPU, and where the learner shares its GPU with the engine (NCCL takes one rank per GPU; vLLM's `ipc` sends
-# pickled handles), ours: vLLM's NCCL engines with a gloo group, an update sent as one broadcast of its bytes.
-GLOO_BACKEND = "grpo_gloo"
-
-
-def weight_backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") and dist.is_initialized() else GLOO_BACKEND
-
-
-@dataclass(kw_only=True)
-class GlooInitInfo(NCCLWeightTransferInitInfo):
-    timeout_s: float = 1800.0
-    update_bytes: int = 0  # every update's size: the sender's metadata, fixed for the run
-
-
-@dataclass
-class GlooTrainerInitInfo(NCCLTrainerInitInfo):  # master_port 0: any free port
-    backend: ClassVar[str] = GLOO_BACKEND
-    timeout_s: float = 1800.0
-
-
-class GlooWeightTransferEngine(NCCLWeightTransferEngine):
-    """A vLLM worker's end of our gloo backend. start / finish_weight_update are the NCCL engine's: vLLM's layerwise
-    in-place reload, which also redoes vLLM CPU's packed copies of the weights (assigning parameters would not).
-    A thread receives each update as learner 0 sends it, while the engine generates (NCCL's receive waits for the
-    engine's next step: the learner waited 2x longer in a toy run); it holds at most two updates (a CPU model is
-    small), and learner 0 waits beyond that."""
-    init_info_cls = GlooInitInfo
-
-    def init_transfer_engine(self, info: GlooInitInfo) -> None:
-        if info.update_bytes <= 0:  # the receiving thread would fail at once, and every update with it
-            raise ValueError("grpo_gloo: the init info gives no update size (the trainer engine sends it)")
-        self.timeout, self.inbox = datetime.timedelta(seconds=info.timeout_s), queue.Queue(maxsize=1)
-        store = dist.TCPStore(info.master_address, info.master_port, is_master=False, timeout=self.timeout)
-        self.gloo = dist.ProcessGroupGloo(store, info.rank_offset + self.parallel_config.rank, info.world_size,
-                                          self.timeout)
-        threading.Thread(target=self._receive, args=(info.update_bytes,), daemon=True).start()
-
-    def _receive(self, size: int) -> None:
-        try:  # update after update; an error ends the thread and fails the next update
-            while True:
-                flat = torch.empty(size, dtype=torch.uint8)
-                self.gloo.broadcast([flat], dist.BroadcastOptions()).wait(self.timeout)
-                self.inbox.put(flat)
-        except Exception as e:
-            self.inbox.put(e)
-
-    def update_weights(self, update_info: dict) -> None:  # the base's, less torch.accelerator.synchronize() (no GPU)
-        self.receive_weights(self.parse_update_info(update_info))
-
-    def receive_weights(self, update) -> None:
-        """The next update's bytes cut into the announced tensors, checked, then loaded (load_weights: a
-        tensor-parallel worker takes its shard)."""
-        try:
-            flat = self.inbox.get(timeout=self.timeout.total_seconds())
-        except queue.Empty:
-            raise TimeoutError(f"weight stream: no update from learner 0 within {self.timeout}") from None
-        if isinstance(flat, Exception):
-            raise RuntimeError(f"weight stream from learner 0: {flat}") from flat
-        dtypes = [getattr(torch, d) for d in update.dtype_names]
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(update.shapes, dtypes)]
-        if sum(sizes) != flat.numel():
-            raise ValueError(f"weight stream: {flat.numel()} bytes where the update's tensors take {sum(sizes)}")
-        weights = unpack_tensor(flat, update.names, update.shapes, dtypes, sizes)
-        if bad := [name for name, w in weights if not torch.isfinite(w).all()]:
-            raise ValueError(f"weight stream: non-finite values in {', '.join(bad)}")
-        self.model.load_weights(weights)
-
-
-class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
-    """Learner 0's end of our gloo backend: vLLM's NCCL trainer engine (its send_weights makes the four calls and
-    checks the source against its metadata), its group and broadcast gloo's; the other learners only iterate."""
-    init_info_cls = GlooTrainerInitInfo
-
-    @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.timeout, address = datetime.timedelta(seconds=init_info.timeout_s), init_info.master_address
-        if engine.is_sender:  # one buffer of the update's bytes, kept across updates
-            engine.buffer = torch.empty(sum(math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()),
-                                        dtype=torch.uint8)
-            store = dist.TCPStore(address, init_info.master_port, is_master=True, wait_for_workers=False,
-                                  timeout=engine.timeout)
-            info = GlooInitInfo(master_address=address, master_port=store.port, rank_offset=1,
-                                world_size=init_info.world_size, timeout_s=init_info.timeout_s,
-                                update_bytes=engine.buffer.numel())
-            with ThreadPoolExecutor(1) as pool:  # the workers join while this rank does
-                joined = pool.submit(client.init_weight_transfer_engine, dataclasses.asdict(info))
-                engine.gloo = dist.ProcessGroupGloo(store, 0, init_info.world_size, engine.timeout)
-                joined.result()
-        return engine
-
-    def _broadcast(self, source, meta) -> None:
-        if not self.is_sender:
-            return super()._broadcast(source, meta)
-        at = 0  # _checked_iter holds each tensor to its metadata, so the bytes fill the buffer exactly
-        for _, tensor in self._checked_iter(source, meta):
-            flat = tensor.contiguous().view(-1).view(torch.uint8)
-            self.buffer[at:at + flat.numel()].copy_(flat)
-            at += flat.numel()
-        self.gloo.broadcast([self.buffer], dist.BroadcastOptions()).wait(self.timeout)
-
-
-_OUR_ENGINES = ((WeightTransferEngineFactory, GlooWeightTransferEngine),
-                (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine))
-
-
-for _factory, _engine in _OUR_ENGINES if WeightTransferEngineFactory else ():
-    with contextlib.suppress(ValueError):  # registered already: a forked vLLM process inherits its parent's registry
-        _factory.register_engine(GLOO_BACKEND, _engine)
-
-
-class WireWeights(WeightSource):
-    """The state dict in the training dtype, one full tensor at a time (FSDP2: each shard cast, then gathered, just
-    before it goes; every learner iterates, in order). `seconds`: the time spent producing them (the gather)."""
-
-    def __init__(self, model, dtype):
-        self.model, self.dtype, self.seconds = model, dtype, 0.0
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(k, self.dtype, tuple(v.shape)) for k, v in self.model.state_dict().items()]
-
-    def __iter__(self):
-        for name, v in self.model.state_dict().items():
-            t = time.perf_counter()
-            tensor = materialize_full_tensor(v.detach().to(self.dtype))
-            self.seconds += time.perf_counter() - t
-            yield name, tensor
-
-
-class WorkerExtension:
-    """Methods vLLM adds to each of its workers (`worker_extension_cls`, imported there by name, so nothing is pickled
-    into a worker; the import also registers our gloo backend before the worker builds its engine)."""
-
-    def grpo_watch_owner(self, owner_pid: int) -> None:
-        """vLLM's engine processes outlive a frontend killed with SIGKILL: a thread here takes the engine core (this
-        worker's parent) and the worker down once the process that owns the engine is gone."""
-        engine_core = os.getppid()
-
-        def watch():
-            while True:
-                time.sleep(1.0)
-                try:
-                    os.kill(owner_pid, 0)
-                except ProcessLookupError:
-                    # Only while the engine core is still our parent: once it is gone this process has
-                    # been re-parented, and getppid() names an unrelated process (a test runner, a shell).
-                    if os.getppid() == engine_core:
-                        os.kill(engine_core, signal.SIGKILL)
-                    os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
-        # vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer that received no tensor. A
-        # rotary embedding has none (its cos/sin cache comes from the config): that warning meant nothing.
-        import logging
-
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda r: not (str(r.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(r.args)))
 
 
 
@@ -2745,16 +2926,109 @@ def static_waste(lengths: list[int]) -> float:
     return (max(lengths) - sum(lengths) / len(lengths)) / max(lengths)
 
 
+class EngineMeter:
+    """One engine's accounting for the metrics: the FLOPs, bytes and tokens of its steps (engine_step_cost), its
+    busy, idle and occupied seconds, static batches' waste, and the peaks MFU and MBU divide by. `stats` holds the
+    counts since the last `take()` (the delta each finished group carries to learner 0)."""
+
+    def __init__(self, config, dtype: torch.dtype, max_num_seqs: int, peak_device: str):
+        self.shape, self.bytes_per_el = ModelShape.from_config(config), dtype.itemsize
+        self.max_num_seqs, self.peak_device = max_num_seqs, peak_device
+        self.stats, self.stats_t = Counter(), time.perf_counter()
+        self.static_lens = []  # response lengths of the running static batch
+        self.peak_flops = self.peak_bw = self.peak_source = None  # measured in start(), on the cores it runs on
+
+    def start(self, peak_flops: float, peak_bw: float):
+        self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(peak_flops, peak_bw, self.peak_device)
+        self.run_totals, self.run_t0 = Counter(), time.perf_counter()
+
+    def engine_steps(self, prefill: list[tuple[int, int]], decode_ctx: list[int], steps: int):
+        """What `steps` engine steps computed: these prefills (length, cached) and decode tokens (their context)."""
+        flops, nbytes = engine_step_cost(self.shape, prefill, decode_ctx, self.bytes_per_el, steps)
+        self.stats["flops"] += flops
+        self.stats["bytes"] += nbytes
+        self.stats["gen_tokens"] += len(decode_ctx) + len(prefill)
+        self.stats["prefill_tokens"] += sum(p - cached for p, cached in prefill)
+
+    def idle(self, seconds: float, tools_running: bool):
+        self.stats["idle_s"] += seconds
+        self.stats["tool_window_s"] += seconds * tools_running
+
+    def busy(self, seconds: float, running: int, tools_running: bool, batch_done: bool):
+        """An engine step of `seconds` with `running` sequences; `batch_done`: nothing runs after it (a static batch
+        has finished)."""
+        if batch_done and self.static_lens:
+            self.stats["static_waste_sum"] += static_waste(self.static_lens)
+            self.stats["static_waste_n"] += 1
+            self.static_lens = []
+        self.stats["occupancy_s"] += seconds * running / self.max_num_seqs
+        self.stats["busy_s"] += seconds
+        if tools_running:  # the engine's occupancy while some episode waits on its tools
+            self.stats["tool_window_s"] += seconds
+            self.stats["tool_window_occupancy_s"] += seconds * running / self.max_num_seqs
+
+    def take(self, actor_id: int) -> dict:
+        now = time.perf_counter()
+        # MFU, MBU <= 1 with measured peaks: a run whose average rate so far beats one proves the engine's
+        # peak is at least that rate. The run's totals, not this delta's: an engine step's work can land
+        # in a delta shorter than the step. Peaks given by the user (--peak_flops) are kept as given.
+        self.run_totals.update({"flops": self.stats["flops"], "bytes": self.stats["bytes"]})
+        if not self.peak_source.startswith("given"):
+            elapsed = max(now - self.run_t0, 1e-9)
+            self.peak_flops = max(self.peak_flops, self.run_totals["flops"] / elapsed)
+            self.peak_bw = max(self.peak_bw, self.run_totals["bytes"] / elapsed)
+        s = dict(self.stats, actor=actor_id, elapsed=now - self.stats_t, peak_flops=self.peak_flops,
+                 peak_bw=self.peak_bw, peak_source=self.peak_source, max_num_seqs=self.max_num_seqs)
+        self.stats.clear()  # in place: the actor and its tool episodes count into the same Counter
+        self.stats_t = now
+        return s
+
+
 
 # -------------------------------------------------------------------------------------------------
 # PLUMBING: devices and CPU cores of each rank
 # -------------------------------------------------------------------------------------------------
-def engine_gpus(rank: int, local_rank: int, local_world: int, num_learners: int, tp: int,
-                device_count: int) -> tuple[int, str]:
-    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. torchrun numbers
-    ranks node by node, so a node's learner ranks come first and take its first GPUs, one each; its actor
-    ranks follow and each takes the next `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
-    local_learners = min(max(num_learners - (rank - local_rank), 0), local_world)
+def assign_roles(procs: list[tuple[int, int]], num_learners: int) -> list[int]:
+    """The role rank of each torchrun process, given each one's (node, local rank) in torchrun's rank order: ranks
+    [0, num_learners) learn, the rest are actors. Learners take whole nodes, the largest first that still fit in what
+    is left, then the first local ranks of the next largest node; the others drive engines. So README's two-node
+    launch (a node of 8 for 8 learners, a node of 4 engines) gives the same roles whatever order the nodes join in:
+    torchrun's c10d rendezvous ignores --node-rank and numbers nodes by host name. On one node: ranks as torchrun's."""
+    sizes = Counter(node for node, _ in procs)
+    order = sorted(sizes, key=lambda n: (-sizes[n], n))
+    left, whole = num_learners, set()
+    for n in order:
+        if sizes[n] <= left:
+            whole.add(n)
+            left -= sizes[n]
+    rest = sorted((i for i, (n, _) in enumerate(procs) if n not in whole),
+                  key=lambda i: (order.index(procs[i][0]), procs[i][1]))
+    learners = sorted([i for i, (n, _) in enumerate(procs) if n in whole] + rest[:left])
+    actors = sorted(rest[left:])
+    roles = [0] * len(procs)
+    for role, i in enumerate(learners + actors):
+        roles[i] = role
+    return roles
+
+
+def join_run(num_learners: int, timeout) -> tuple[int, int, object]:
+    """torchrun's processes agree on their roles (assign_roles, from each one's node and local rank, shared
+    through torchrun's store). Returns (role rank, learners on this node, a store for the process group)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    here = (int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)))
+    shared = dist.PrefixStore("grpo_roles", store)
+    shared.set(str(rank), f"{here[0]} {here[1]}")
+    procs = [tuple(map(int, shared.get(str(r)).decode().split())) for r in range(world_size)]
+    roles = assign_roles(procs, num_learners)
+    local_learners = sum(1 for p, role in zip(procs, roles) if p[0] == here[0] and role < num_learners)
+    return roles[rank], local_learners, dist.PrefixStore("grpo", store)
+
+
+def engine_gpus(local_rank: int, local_world: int, local_learners: int, tp: int, device_count: int) -> tuple[int, str]:
+    """(this process's device index, CUDA_VISIBLE_DEVICES for its engine) of an actor rank. A node's learners are its
+    first local ranks (assign_roles) and take its first GPUs, one each; its actor ranks follow and each takes the next
+    `tp` GPUs for its engine (vLLM starts one worker per GPU)."""
     first = local_learners + (local_rank - local_learners) * tp
     need = local_learners + (local_world - local_learners) * tp
     if need > device_count:
@@ -2917,7 +3191,7 @@ def add_actor_totals(totals: Counter, stats_list: list[dict], loads_only: bool =
     for k, v in s.items():
         if k.startswith("loaded/"):
             totals[f"weight_{k}"] = 1
-        elif (not loads_only or k in ("weight_loads", "weight_apply_s")) and k not in ("probe_mean", "probe_max"):
+        elif (not loads_only or k in ("weight_loads", "weight_load_s")) and k not in ("probe_mean", "probe_max"):
             totals[f"actor_{k}"] += v
     if stats_list and not loads_only:  # the latest peaks, assigned (a Counter's update() would add them)
         for k in ("peak_source", "peak_flops", "peak_bw"):
@@ -2930,8 +3204,8 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "args": dataclasses.asdict(args), "steps": totals["steps"], "wall_s": time.perf_counter() - run_t0,
         "mean_step_time_s": totals["step_time"] / steps, "mean_data_wait_s": totals["data_wait"] / steps,
         "mean_weight_sync_s": totals["sync_time"] / steps, "weight_updates": totals["weight_updates"],
-        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "transfer")},
-        "mean_weight_load_s": totals["actor_weight_apply_s"] / max(totals["actor_weight_loads"], 1),
+        **{f"mean_weight_{k}_s": totals[f"sync_{k}_time"] / steps for k in ("gather", "drain", "transfer")},
+        "mean_weight_load_s": totals["actor_weight_load_s"] / max(totals["actor_weight_loads"], 1),
         "engines_loaded": sum(1 for k in totals if k.startswith("weight_loaded/")),
         "generated_tokens_per_s": engines_tokens_per_s(totals, "actor_"),
         "learner_tokens_per_s": totals["learner_tokens"] / max(totals["train_time"], 1e-9),
@@ -2942,10 +3216,10 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
         "learner_data_wait_s": totals["data_wait"],
         "static_wasted_fraction": (totals["actor_static_waste_sum"] / totals["actor_static_waste_n"]
                                    if totals["actor_static_waste_n"] else None),
-        "peak_source": (local_actor.peak_source if local_actor
+        "peak_source": (local_actor.meter.peak_source if local_actor
                         else totals.get("peak_source", "see metrics.jsonl perf/peak_source")),
-        "peak_flops": local_actor.peak_flops if local_actor else totals.get("peak_flops"),
-        "peak_memory_bandwidth": local_actor.peak_bw if local_actor else totals.get("peak_bw"),
+        "peak_flops": local_actor.meter.peak_flops if local_actor else totals.get("peak_flops"),
+        "peak_memory_bandwidth": local_actor.meter.peak_bw if local_actor else totals.get("peak_bw"),
         "mean_save_time_s": totals["save_time"] / steps,
         "eval_pass@1": [{"step": s, "pass@1": p} for s, p in eval_history],
     }

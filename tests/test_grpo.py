@@ -117,13 +117,38 @@ def test_engine_gpus_learners_first_then_tensor_parallel_engines(monkeypatch):
     actor rank the next `tp`; CUDA_VISIBLE_DEVICES is honoured; a node short of GPUs stops with what to run."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # one node, torchrun --nproc-per-node 6 --num_learners 4 --vllm_tensor_parallel_size 2, 8 GPUs
-    assert grpo.engine_gpus(4, 4, 6, 4, 2, 8) == (4, "4,5") and grpo.engine_gpus(5, 5, 6, 4, 2, 8) == (6, "6,7")
-    # two nodes: 8 learners on node 0 (ranks 0-7), 4 engines of 2 GPUs on node 1 (ranks 8-11)
-    assert [grpo.engine_gpus(r, r - 8, 4, 8, 2, 8) for r in (8, 11)] == [(0, "0,1"), (6, "6,7")]
+    assert grpo.engine_gpus(4, 6, 4, 2, 8) == (4, "4,5") and grpo.engine_gpus(5, 6, 4, 2, 8) == (6, "6,7")
+    # two nodes: 8 learners on one node, 4 engines of 2 GPUs on the other (no learner there)
+    assert [grpo.engine_gpus(r, 4, 0, 2, 8) for r in (0, 3)] == [(0, "0,1"), (6, "6,7")]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
-    assert grpo.engine_gpus(4, 4, 6, 4, 2, 8) == (4, "3,2")
+    assert grpo.engine_gpus(4, 6, 4, 2, 8) == (4, "3,2")
     with pytest.raises(SystemExit, match="--nproc-per-node = learners \\+ engines"):
-        grpo.engine_gpus(4, 4, 8, 4, 2, 8)  # 4 learners + 4 engines of 2 GPUs on 8 GPUs
+        grpo.engine_gpus(4, 8, 4, 2, 8)  # 4 learners + 4 engines of 2 GPUs on 8 GPUs
+
+
+def _nodes(*sizes):
+    """(node, local rank) of each process in torchrun's rank order, nodes numbered in join order."""
+    return [(n, i) for n, size in enumerate(sizes) for i in range(size)]
+
+
+def test_roles_follow_each_nodes_process_count_whatever_order_nodes_join():
+    """README's two-node launch: a node of 8 for 8 learners and a node of 4 engines. torchrun's c10d rendezvous
+    numbers the nodes by host name, ignoring --node-rank: whichever joins first, the 8 learners are the node of 8
+    (torchrun's own ranks would make the actor node's 4 processes learners 0-3). One node, or equal nodes, keep
+    torchrun's ranks; learners that fill no whole node take the first local ranks of the largest other one."""
+    learner_node_first, actor_node_first = _nodes(8, 4), _nodes(4, 8)
+    roles = grpo.assign_roles(learner_node_first, 8)
+    assert roles == list(range(12))
+    roles = grpo.assign_roles(actor_node_first, 8)
+    assert sorted(roles[4:]) == list(range(8)) and sorted(roles[:4]) == list(range(8, 12))
+    assert roles[4] == 0  # learner 0: the learner node's first process
+    assert grpo.assign_roles(_nodes(6), 4) == list(range(6))  # one node: torchrun's ranks
+    assert grpo.assign_roles(_nodes(8, 8, 8, 8), 16) == list(range(32))
+    # 12 learners on 8 + 8: one whole node, then the first 4 local ranks of the other
+    roles = grpo.assign_roles(_nodes(8, 8), 12)
+    assert roles == list(range(8)) + [8, 9, 10, 11, 12, 13, 14, 15]
+    roles = grpo.assign_roles(_nodes(2, 1), 1)  # a node of 2 engines joined first, the learner's node of 1 second
+    assert roles[2] == 0 and sorted(roles[:2]) == [1, 2]
 
 
 def test_gloo_weight_transfer_round_trip_checks_before_loading():
@@ -144,10 +169,10 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     worker = WeightTransferEngineFactory.create_engine(
         WeightTransferConfig(backend=grpo.GLOO_BACKEND),
         SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None), torch.device("cpu"), model)
-    actor = SimpleNamespace(updates=queue.Queue(), wants=None, init_weights=lambda info: (
-        calls.append("init"), worker.init_transfer_engine(worker.parse_init_info(info))))
+    actor = SimpleNamespace(updates=queue.Queue(), weights=SimpleNamespace(wants=None, join=lambda info: (
+        calls.append("init"), worker.init_transfer_engine(worker.parse_init_info(info)))))
 
-    def make_calls():  # Actor._apply_update's calls, on the worker engine, once the test lets it
+    def make_calls():  # EngineWeights.load's calls, on the worker engine, once the test lets it
         while (update := actor.updates.get()) is not None:
             go.wait()
             calls.append(update["version"])
@@ -159,13 +184,13 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 50)).to(torch.bfloat16)
     source = grpo.WireWeights(net, torch.bfloat16)
     info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=30.0, rank=0)
-    link = grpo.Link(_args(timeout_s=30.0), [], None, actor, queue.Queue())
-    trainer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
+    client = grpo.WeightClient(grpo.Link(_args(timeout_s=30.0), [], None, actor, queue.Queue()))
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     assert calls == ["init"] and trainer.buffer.numel() == (12 + 3 + 150 + 50) * 2
     threading.Thread(target=make_calls, daemon=True).start()
     sent = []
     for version in (1, 2):  # the engine takes neither yet: both sends return
-        link.send_weights({"version": version, "stream": True}, trainer, 30.0)
+        client.send_weights({"version": version, "stream": True}, trainer, 30.0)
         sent.append({k: v.clone() for k, v in net.state_dict().items()})
         with torch.no_grad():
             net[1].bias.add_(1.0)
@@ -178,7 +203,7 @@ def test_gloo_weight_transfer_round_trip_checks_before_loading():
     assert all(torch.equal(b[k], v) and b[k].dtype == torch.bfloat16 for b, s in zip(loads, sent) for k, v in s.items())
     with torch.no_grad():
         net[1].bias[3] = float("nan")
-    link.send_weights({"version": 3, "stream": True}, trainer, 30.0)
+    client.send_weights({"version": 3, "stream": True}, trainer, 30.0)
     deadline = time.time() + 30
     while not errors and time.time() < deadline:
         time.sleep(0.01)
@@ -706,6 +731,22 @@ def test_bf16_learner_step_on_cpu():
     assert stats["tokens"] == 8
 
 
+def test_colocated_engine_share_is_what_the_learner_leaves():
+    """One GPU (`python grpo.py`): vLLM reads gpu_memory_utilization as a share of the whole GPU that must be free
+    when it starts, and the learner loaded first keeps its planned memory. The engine's share is what the plan leaves
+    less 2 GiB of headroom, never above --vllm_gpu_memory_utilization; when that cannot hold the engine's bf16 weights
+    and one full-length sequence's KV cache, the run stops before loading, saying what to change."""
+    gib = 2**30
+    share = grpo.colocated_engine_share(20 * gib, 80 * gib, 0.9, 10 * gib, "knobs")
+    assert share == pytest.approx((80 - 20 - 2) / 80)
+    assert grpo.colocated_engine_share(5 * gib, 80 * gib, 0.9, 10 * gib, "knobs") == 0.9  # the flag caps it
+    with pytest.raises(SystemExit, match="cannot hold the learner .*torchrun --nproc-per-node 2.*knobs"):
+        grpo.colocated_engine_share(70 * gib, 80 * gib, 0.9, 10 * gib, "knobs")  # 8 GiB left, 10 needed
+    # Olmo 3 7B's engine at 2,048 + 32,768 tokens: bf16 weights and K and V of 32 layers x 32 heads x 128 per token
+    need = grpo.engine_memory_need(OLMO3_7B, 7.3e9, 2048 + 32768)
+    assert need == int(2 * 7.3e9 + 2 * 32 * 32 * 128 * 2 * 34816)
+
+
 def test_memory_plan_hand_computed():
     """Olmo 3 7B's shape, one 35,840-token row, 16 FSDP2 learners, bf16, checkpointing, flash attention: the
     parameters counted by hand; the activation estimate is checked against a measurement below."""
@@ -827,6 +868,31 @@ _DPO_ONLY = {"DEFAULT_BETA", "AVERAGE_LOGPS", "dpo_loss", "collate_pairs", "sequ
              "reference_tables", "compute_reference_logps", "save_reference_logps", "load_resumed_weights",
              "evaluate"}
 _SFT_DPO_OWN = {"Args", "UNSUPPORTED_FLAGS", "RESUME_IGNORED_ARGS", "load_data", "train_step", "main"}
+
+
+def _section_titles(path: str) -> list[str]:
+    """The first title line of every section: comment lines between two rulers at most three lines apart."""
+    lines, titles, i = open(path).read().splitlines(), [], 0
+    is_ruler = lambda line: line.startswith("# ") and set(line[2:]) == {"-"} and len(line) > 40  # noqa: E731
+    while i < len(lines):
+        if is_ruler(lines[i]):
+            close = next((j for j in range(i + 1, min(i + 4, len(lines))) if is_ruler(lines[j])), None)
+            if close is not None and close > i + 1:
+                titles.append(lines[i + 1][2:])
+                i = close
+        i += 1
+    return titles
+
+
+def test_header_reading_order_is_the_files_sections():
+    """grpo.py's docstring lists its sections in reading order, one per line; each line starts the title of the
+    section in that place, and every section is listed: moving or adding a section without the header fails."""
+    listed = grpo.__doc__.split("Reading order:")[1].split("\n\n")[0].splitlines()[2:]
+    listed = [line.strip() for line in listed if line.startswith("    ")]
+    titles = _section_titles(os.path.join(REPO, "grpo.py"))
+    assert len(listed) == len(titles) >= 10, (listed, titles)
+    for entry, title in zip(listed, titles):
+        assert title.startswith(entry), (entry, title)
 
 
 def test_sft_and_dpo_main_share_their_plumbing_blocks():
@@ -1014,11 +1080,11 @@ def _connect_stream(actor, model):
     trainer engine on our gloo backend (fp32 on the wire), its calls queued for the actor's engine loop."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    link = grpo.Link(actor.args, [], None, actor)
+    client = grpo.WeightClient(grpo.Link(actor.args, [], None, actor))
     info = grpo.GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_s=120.0, rank=0)
     source = grpo.WireWeights(model, torch.float32)
-    transfer = WeightTransferTrainerFactory.trainer_init(info, client=link, source=source)
-    return link, transfer
+    transfer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    return client, transfer
 
 
 def _weight_update(model, version, probe_ids):
@@ -1032,11 +1098,11 @@ def _weight_update(model, version, probe_ids):
 
 
 def _push(stream, update):
-    """vLLM's four calls to the actor and the weights to its workers (Link.send_weights): returns once the workers
-    received the update."""
-    (link, transfer), (header, model) = stream, update
+    """vLLM's four calls to the actor and the weights to its workers (WeightClient.send_weights): returns once the
+    workers received the update."""
+    (client, transfer), (header, model) = stream, update
     transfer.source = grpo.WireWeights(model, torch.float32)
-    link.send_weights(header, transfer, 120.0)
+    client.send_weights(header, transfer, 120.0)
 
 
 def _version_only(version, **probe):
@@ -1125,7 +1191,7 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         push = threading.Thread(target=_push, args=(sender, _weight_update(model, 2, probe_ids)), daemon=True)
         push.start()
         assert actor.version == 1 and actor.pending  # the stream waits for the engine, which drains first
-        while actor.version != 2 or actor.probe is not None:  # loaded, and its probe has run
+        while actor.version != 2 or actor.weights.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline + 240 and not errors, errors
             time.sleep(0.01)
         push.join(10)
@@ -1182,7 +1248,7 @@ def test_prefix_cache_is_reused_only_within_a_policy_version(toy_model_dir, tmp_
         assert prefill_of_next_group(1) < 320  # control: same version, the prompt's blocks come from the cache
         _push(sender, _weight_update(model, 1, probe_ids))
         deadline = time.time() + 120
-        while actor.version != 1 or actor.probe is not None:
+        while actor.version != 1 or actor.weights.probe is not None:
             assert time.time() < deadline and not errors, errors
             time.sleep(0.01)
         assert prefill_of_next_group(2) == 320  # a new policy: the whole prompt is computed again
@@ -1263,9 +1329,9 @@ def _rewarded_by_length(toy_data_dir, tmp_path):
 @pytest.mark.slow
 def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_data_dir, tmp_path):
     """Drained updates under --async_steps 3 (torchrun: the engine's request travels over gloo): learner 0
-    streams new weights only when the engine asks (every prompt it holds needs newer ones), when its weights
-    reach the bound, and before the closing evaluation; not at every step. Every step still trains all its
-    groups and the lag stays within the bound. Drained updates make the engine deliver its groups in bursts
+    streams new weights only when the engine asks (it has drained and every prompt it holds needs newer ones),
+    when its weights reach the bound, and before the closing evaluation; not at every step. Every step still
+    trains all its groups and the lag stays within the bound. Drained updates make the engine deliver its groups in bursts
     (everything finishes before it loads), so a pull brings more groups than the step takes: the surplus must
     stay counted in flight, or the dispatcher refills and labels prompts for groups no step took and the lag
     grows step after step (with the surplus counted as consumed, this run's lag reached 10 versions; 16 with
@@ -1332,25 +1398,27 @@ def _torchrun_until_checkpoint(toy_model_dir, toy_data_dir, tmp_path, timeout_s:
     return out, proc, log
 
 
-def _two_nodes(out, tmp_path, toy_model_dir, toy_data_dir, *extra) -> tuple[list[int], list[str]]:
-    """README's two-node launch with both "nodes" on this machine: two torchrun agents (--nnodes 2, one process
-    each, c10d rendezvous on 127.0.0.1) make one run, 1 learner + 1 actor. Returns their exit codes and logs."""
+def _two_nodes(out, tmp_path, model_dir, toy_data_dir, *extra, sizes=(1, 1)) -> tuple[list[int], list[str]]:
+    """README's two-node launch with both "nodes" on this machine: two torchrun agents (--nnodes 2, `sizes`
+    processes each, c10d rendezvous on 127.0.0.1) make one run. The first joins first, hosts the rendezvous and is
+    torchrun's node 0 (c10d numbers nodes by address: 127.0.0.1 before localhost). Returns their exit codes and
+    logs."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--eval_every", "0", "--num_unique_prompts_per_step", "2",
-                       "--num_samples_per_prompt", "4", "--max_prompts_per_step_factor", "2", "--num_learners", "1",
-                       *extra)
+    _, cmd = _grpo_cmd(model_dir, toy_data_dir, out, "--eval_every", "0", "--num_unique_prompts_per_step", "2",
+                       "--num_samples_per_prompt", "4", *extra)
     procs, logs = [], []
-    for node in (0, 1):  # node 0 hosts the rendezvous store
+    for node, (size, address) in enumerate(zip(sizes, ("127.0.0.1", "localhost"))):
         logs.append(open(tmp_path / f"node{node}.log", "w"))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(size),
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "grpo-two-nodes",
-             "--rdzv-conf", f"is_host={int(node == 0)}", "grpo.py", *cmd],
+             "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", address, "grpo.py", *cmd],
             cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(2.0)
     try:
         rcs = [p.wait(timeout=700) for p in procs]
     finally:
@@ -1394,7 +1462,8 @@ def killed_actor_run(toy_model_dir, toy_data_dir, tmp_path_factory):
     state = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)
     killed_rows = len(_metrics(out))
     resumed_rcs, resumed_logs = _two_nodes(out, tmp_path, toy_model_dir, toy_data_dir, "--resume",
-                                           "--num_training_steps", str(state["step"] + 3), "--save_steps", "1")
+                                           "--num_training_steps", str(state["step"] + 3), "--save_steps", "1",
+                                           "--max_prompts_per_step_factor", "2", "--num_learners", "1")
     return {"out": out, "log": open(tmp_path / "log.txt").read(), "engine_pids": engine_pids, "affinity": affinity,
             "actor_pid": actor_pid, "rc": rc, "exit_s": exit_s, "engine_left": engine_left, "last": last,
             "state": state, "killed_rows": killed_rows, "resumed_rcs": resumed_rcs, "resumed_logs": resumed_logs}
@@ -1566,19 +1635,129 @@ def test_torchrun_weights_stream_without_any_file(tensor_parallel_stream_run):
     assert summary["mean_weight_load_s"] > 0 and summary["mean_weight_transfer_s"] > 0
 
 
+# Run by torchrun in place of grpo.py (same arguments): grpo.main() with three things recorded or changed from outside.
+# Learner 0's end of the weight stream's rendezvous (its gloo group) waits for the engines' workers STORE_LIMIT_S at
+# most, as vLLM's NCCL store does for a fixed 300 s; actor rank 2's engine takes SLOW_ENGINE_S longer to start;
+# learner 0 records when each weight broadcast starts, and each actor the spans during which its engine has requests
+# (or tool episodes) in flight.
+_OBSERVED_LAUNCH = """
+import datetime, json, os, sys, time
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+import vllm
+import grpo
+
+STORE_LIMIT_S, SLOW_ENGINE_S, LOG = {store_limit_s}, {slow_engine_s}, {log!r}
+TORCHRUN_RANK = int(os.environ.get("RANK", 0))
+
+
+def record(**event):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(dict(event, t=time.time())) + "\\n")
+
+
+real_group = dist.ProcessGroupGloo
+
+
+def limited_group(store, rank, size, timeout):  # learner 0's end of the weight stream waits STORE_LIMIT_S at most
+    return real_group(store, rank, size, min(timeout, datetime.timedelta(seconds=STORE_LIMIT_S)) if rank == 0
+                      else timeout)
+
+
+dist.ProcessGroupGloo = limited_group
+
+
+class SlowLLM(vllm.LLM):
+    def __init__(self, *args, **kw):
+        if TORCHRUN_RANK == 2:
+            time.sleep(SLOW_ENGINE_S)
+        super().__init__(*args, **kw)
+
+
+vllm.LLM = SlowLLM
+real_broadcast = grpo.GlooTrainerWeightTransferEngine._broadcast
+
+
+def broadcast(self, source, meta):
+    if self.is_sender:
+        record(kind="send")
+    return real_broadcast(self, source, meta)
+
+
+grpo.GlooTrainerWeightTransferEngine._broadcast = broadcast
+
+
+def track(method):
+    def tracked(self, *args, **kw):
+        out = method(self, *args, **kw)
+        busy = bool(self.pending or self.in_tools)
+        if busy != getattr(self, "_recorded_busy", False):
+            self._recorded_busy = busy
+            record(kind="busy" if busy else "idle", actor=self.actor_id)
+        return out
+    return tracked
+
+
+grpo.Actor._admit = track(grpo.Actor._admit)
+grpo.Actor._step_engine = track(grpo.Actor._step_engine)
+if __name__ == "__main__":
+    grpo.main()
+"""
+
+
+def _observed_launch(tmp_path, store_limit_s: float, slow_engine_s: float) -> tuple[str, str]:
+    """The path of a launch script (_OBSERVED_LAUNCH) and of the events it records."""
+    log, script = str(tmp_path / "events.jsonl"), tmp_path / "observed_grpo.py"
+    script.write_text(_OBSERVED_LAUNCH.format(repo=REPO, store_limit_s=store_limit_s, slow_engine_s=slow_engine_s,
+                                              log=log))
+    return str(script), log
+
+
+def _busy_spans(events: list[dict]) -> dict[int, list[tuple[float, float]]]:
+    """Each actor's spans (start, end) with requests in flight; one still open at the end runs to infinity."""
+    spans, since = {}, {}
+    for e in events:
+        if e["kind"] == "busy":
+            since[e["actor"]] = e["t"]
+        elif e["kind"] == "idle" and e["actor"] in since:
+            spans.setdefault(e["actor"], []).append((since.pop(e["actor"]), e["t"]))
+    for actor, t in since.items():
+        spans.setdefault(actor, []).append((t, math.inf))
+    return spans
+
+
 @pytest.mark.slow
-def test_torchrun_weights_reach_two_actors(toy_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 1 learner + 2 actors: learner 0 streams every update into both engines' workers (one
-    process group), both engines load them, and their probes match (a probe that does not is fatal)."""
+def test_torchrun_two_actors_one_slow_to_start_drained_updates_wait_for_both(toy_model_dir, toy_data_dir, tmp_path):
+    """torchrun, 1 learner + 2 actors, drained updates (--inflight_updates false) and tool episodes that keep each
+    engine busy across step ends (a 2 s tool call inside every request). Learner 0's end of the weight stream's
+    rendezvous gives up after 10 s (as vLLM's NCCL store does after a fixed 300 s) and actor rank 2's engine starts
+    10 s late: learner 0 opens the rendezvous only once both engines are up, so the run starts (opened before, as it
+    was, the rendezvous gave up while the engines loaded). Learner 0 sends each update only once both engines have
+    drained: no broadcast starts while either engine has a request in flight (before, the gloo path sent at once;
+    on NCCL the broadcast waited for the slowest engine to drain). Every update reaches both engines and their
+    probes match."""
     out = str(tmp_path / "run")
-    rc, log = _torchrun(3, toy_model_dir, toy_data_dir, out, "--num_training_steps", "4", timeout=500)
-    assert rc == 0, log[-3000:]
+    script, events_log = _observed_launch(tmp_path, store_limit_s=10, slow_engine_s=10)
+    _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--eval_every", "0", "--num_unique_prompts_per_step", "2",
+                       "--num_samples_per_prompt", "4", "--max_prompts_per_step_factor", "2", "--timeout_s", "60",
+                       "--num_training_steps", "4", "--inflight_updates", "false",
+                       "--response_length_sampler", "exponential", "--response_length_mean", "24",
+                       "--bench_tool_latency_s", "2", "--bench_tool_turns", "1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", script, *cmd],
+                          cwd=REPO, capture_output=True, text=True, timeout=500)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
     assert "1 learner(s), 2 actor(s)" in log
     assert "Failed to load weights" not in log  # vLLM's reload warning for the rotary cache: expected, filtered
     rows = [r for r in _metrics(out) if "rollout/groups" in r]
     assert len(rows) == 4 and json.load(open(os.path.join(out, "summary.json")))["engines_loaded"] == 2
     assert sum(r["sync/probe_checks"] for r in rows) >= 4
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
+    events = [json.loads(line) for line in open(events_log)]
+    sends, spans = [e["t"] for e in events if e["kind"] == "send"], _busy_spans(events)
+    assert len(sends) == sum(r["sync/streamed"] for r in rows) >= 3 and set(spans) == {0, 1}, (sends, spans)
+    during = [(t, a) for t in sends for a, ss in spans.items() for start, end in ss if start < t < end]
+    assert not during, f"broadcasts started while an engine had requests in flight: {during}"
 
 
 @pytest.mark.slow
@@ -1657,9 +1836,10 @@ def test_torchrun_stopped_engine_every_rank_fails_naming_the_actor(toy_model_dir
 
 @pytest.mark.slow
 def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 2 learners (FSDP2 on gloo) + 1 actor: two steps with a checkpoint each, then --resume
-    for one more. The resumed run loads the sharded optimizer from the full saved state (this hung
-    while the load broadcast on the default group, which the actor is in but never joins) and
+    """torchrun, 2 learners (FSDP2 on gloo) + 1 actor: two steps with a checkpoint each (launched as two uneven
+    nodes, the smaller joining first), then --resume for one more. The resumed run loads the sharded optimizer
+    from the full saved state (this hung while the load broadcast on the default group, which the actor is in but
+    never joins) and
     continues it: AdamW's step count goes on from 2 to 3, where a fresh optimizer would restart at 1.
     From the SFT start (the random model solves nothing, so its steps have no gradient at all). The
     SFT model solves a prompt's 4 samples all or none most of the time: in three runs of this test,
@@ -1667,12 +1847,12 @@ def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_dat
     prompts with none (0.8^16 ~ 3% a step). Up to 80 prompts a step: 0.8^80 ~ 2e-8, and active
     sampling stops at the second useful group, so the cap costs nothing in the usual step."""
     out = str(tmp_path / "run")
+    flags = ("--num_learners", "2", "--save_steps", "1", "--max_prompts_per_step_factor", "40", "--timeout_s", "60")
 
     def run(steps, *extra):
-        _, cmd = _grpo_cmd(toy_sft_model_dir, toy_data_dir, out, "--num_learners", "2",
-                           "--num_training_steps", str(steps),
+        _, cmd = _grpo_cmd(toy_sft_model_dir, toy_data_dir, out, "--num_training_steps", str(steps),
                            "--eval_every", "0", "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4",
-                           "--save_steps", "1", "--max_prompts_per_step_factor", "40", "--timeout_s", "60", *extra)
+                           *flags, *extra)
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "grpo.py", *cmd],
                               cwd=REPO, capture_output=True, text=True, timeout=400)
 
@@ -1680,9 +1860,12 @@ def test_torchrun_two_fsdp2_learners_train_and_resume(toy_sft_model_dir, toy_dat
         state = torch.load(os.path.join(out, "checkpoints", f"step_{step}", "training_state.pt"), weights_only=False)
         return state["optimizer"]["state"].values()
 
-    first = run(2)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "2 learner(s), 1 actor(s)" in first.stdout
+    # The first two steps: an uneven two-node launch, the actor's node of 1 joining first (torchrun's node 0, its
+    # process torchrun's rank 0), the learners' node of 2 second. The roles follow the nodes' sizes, not that order.
+    rcs, (actor_node, learner_node) = _two_nodes(out, tmp_path, toy_sft_model_dir, toy_data_dir, "--num_training_steps",
+                                                 "2", *flags, sizes=(1, 2))
+    assert rcs == [0, 0], (actor_node[-3000:], learner_node[-3000:])
+    assert "[actor rank 2] pid" in actor_node and "2 learner(s), 1 actor(s)" in learner_node, actor_node[-3000:]
     second = run(3, "--resume")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "start step 2" in second.stdout
@@ -1760,6 +1943,6 @@ def test_two_actors_rates_sum_over_engines_and_mfu_is_a_mean():
     # actor 0: 160 tokens in 3 s; actor 1: 300 tokens in 4 s
     assert grpo.engines_tokens_per_s(totals, "actor_") == pytest.approx(160 / 3 + 300 / 4)
     assert totals["actor_gen_tokens"] == 460 and totals["actor_elapsed"] == 7.0
-    grpo.add_actor_totals(totals, [dict(stats(0, 500, 9.0, 0.0, 10.0), weight_loads=1, weight_apply_s=0.5)],
+    grpo.add_actor_totals(totals, [dict(stats(0, 500, 9.0, 0.0, 10.0), weight_loads=1, weight_load_s=0.5)],
                           loads_only=True)  # the last loads: no tokens, no seconds
     assert (totals["actor_gen_tokens"], totals["actor_weight_loads"], totals["weight_loaded/0"]) == (460, 1, 1)

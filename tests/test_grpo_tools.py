@@ -375,7 +375,7 @@ def episode_actor(tool_model_dir):
                 watch()
             time.sleep(0.005)
         groups = [m["group"] for m in out[first:] if "group" in m]
-        stats = grpo.sum_actor_stats([m["stats"] for m in out[first:] if "stats" in m] + [actor._take_stats()])
+        stats = grpo.sum_actor_stats([m["stats"] for m in out[first:] if "stats" in m] + [actor.take_stats()])
         return {g["index"]: g for g in groups}, stats
 
     actor.tok = AutoTokenizer.from_pretrained(tool_model_dir)
