@@ -267,7 +267,7 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
         moved = torch.tensor(update[0]["probe_logprobs"]) - torch.tensor(before)
         assert moved.abs().mean() > 10 * 2e-3  # a lost update would fail the probe (2e-3 in fp32)
         _push(sender, update)
-        while actor.version != 1 or actor.probe is not None:  # loaded, and its probe has run
+        while actor.version != 1 or actor.weights.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline and not errors, errors
             time.sleep(0.05)
         actor.inbox.put(None)  # the engine loop ends; the engine stays up for a look inside
