@@ -47,7 +47,8 @@ the two in step):
         --num_samples_per_prompt 8 --max_prompt_length 128 --max_response_length 64 --pack_length 1024 \\
         --max_num_seqs 32 --enforce_eager
     # 8 GPUs: 4 learners (FSDP2) + 4 engines; two nodes: add --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST
-    torchrun --nproc-per-node 8 grpo.py --num_learners 4 --model_name_or_path allenai/Olmo-3-7B-Think-DPO ...
+    torchrun --nproc-per-node 8 grpo.py --num_learners 4 --model_name_or_path allenai/Olmo-3-7B-Think-DPO \\
+        --gradient_checkpointing ...
 
 Outputs in `output_dir`: the final model (HF layout), metrics.jsonl, summary.json, checkpoints/step_N.
 """
