@@ -886,7 +886,20 @@ MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST, SANDBOXED = LIMITS
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 PROGRAM = compile(open("solution.py").read(), "solution.py", "exec")  # run anew by each test's process
 WORK = os.getcwd()
-KEEP = {"solution.py", "harness.py"}
+
+
+def entries(d):
+    # every path below d, mount points listed but not entered (a read-only bind of the interpreter's prefix)
+    found = set()
+    for top, dirs, files in os.walk(d):
+        found.update(os.path.join(top, n) for n in dirs + files)
+        dirs[:] = [n for n in dirs if not os.path.ismount(os.path.join(top, n))]
+    return found
+
+
+# What /tmp held before any program ran: the run's files, and the directories that make the interpreter's paths
+# reachable when they lie under /tmp (a project cloned there). A test leaves nothing beyond it.
+KEEP = entries(WORK)
 # The names a test's text uses for builtins and math: Python's own, taken before any program ran.
 TEST_NAMES = {k: v for k, v in builtins.__dict__.items() if not k.startswith("_")}
 TEST_NAMES["__clean_import__"] = lambda name: CLEAN[name] if name in CLEAN else __import__(name, fromlist=["_"])
@@ -1079,11 +1092,12 @@ def fresh_files():
     # -> whether /tmp (and /dev/shm, in a sandbox) hold nothing a test left
     clean = True
     for d in (WORK, "/dev/shm") if SANDBOXED else (WORK,):
+        kept = KEEP if d == WORK else set()
         try:
-            for name in os.listdir(d):
-                if d != WORK or name not in KEEP:
-                    remove(os.path.join(d, name))
-            clean = clean and set(os.listdir(d)) <= (KEEP if d == WORK else set())
+            for path in sorted(entries(d) - kept, key=len):  # a directory before what it holds
+                if os.path.lexists(path):
+                    remove(path)
+            clean = clean and not entries(d) - kept
         except OSError:
             clean = False
     return clean

@@ -1182,3 +1182,21 @@ def test_the_program_dies_with_its_caller_killed_by_sigkill(unprivileged, user):
         S._sandbox_mode()
         S.cleanup_sandboxes(caller.pid)  # its work dir and cgroup, as a pool does for a worker it killed
     assert left == [], (user, "the program outlived its caller")
+
+
+@needs_sandbox
+def test_an_interpreter_under_tmp_still_judges_every_test():
+    """A project cloned under /tmp (a CI runner's fresh clone, a scratch checkout) has its venv there: the sandbox
+    binds the interpreter's prefix inside its own /tmp, and the harness must not take that for something a test
+    left behind (it did: after the first test /tmp never came clean, and every later test failed)."""
+    venv = tempfile.mkdtemp(dir="/tmp", prefix="venv-")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=60)
+        ours = next(p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p))
+        site = os.path.join(venv, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
+        with open(os.path.join(site, "ours.pth"), "w") as f:
+            f.write(ours + "\n")  # this venv's packages, seen from the one under /tmp
+        r = _drive([os.path.join(venv, "bin", "python")], {"double": "def f(x):\n    return 2 * x\n"})["double"]
+        assert (r["score"], r["error"]) == (1.0, None), r["details"]
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
