@@ -532,7 +532,7 @@ def plot_rl(metrics_path: str, out_path: str, greedy: dict[str, tuple[int, float
         if steps:
             ax.plot(steps, values, marker="o", label=label)
     for label, (step, value) in (greedy or {}).items():
-        ax.scatter([step], [value], marker="s", zorder=3)
+        ax.scatter([step], [value], marker="s", color="black", zorder=3)
         ax.annotate(f"{label}: {value:.2f}", (step, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("RL step")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
