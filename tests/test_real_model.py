@@ -227,14 +227,17 @@ def _until_eos(ids, eos: int) -> list[int]:
     return ids[:ids.index(eos) + 1] if eos in ids else ids
 
 
-def _greedy_transformers(model_dir: str) -> tuple[list[list[int]], torch.Tensor]:
-    """The checkpoint reloaded in transformers: greedy token ids for the fixed prompts (through <|im_end|>), and its
-    input embedding (the output head must be the same tensor: SmolLM2 ties them)."""
+def _load_transformers(model_dir: str):
+    """The checkpoint reloaded in transformers, its output head still its input embedding (SmolLM2 ties them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, model_dir
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def _greedy_transformers(model, tokenizer) -> list[list[int]]:
+    """Greedy token ids for the fixed prompts, through <|im_end|>."""
     out = []
     with torch.no_grad():
         for prompt in _greedy_prompts(tokenizer):
@@ -242,7 +245,7 @@ def _greedy_transformers(model_dir: str) -> tuple[list[list[int]], torch.Tensor]
                                  do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.eos_token_id)
             out.append(_until_eos(ids[0, len(prompt):].tolist(), tokenizer.eos_token_id))
-    return out, model.get_input_embeddings().weight.detach().clone()
+    return out
 
 
 def _greedy_vllm(llm, tokenizer) -> list[list[int]]:
@@ -311,18 +314,15 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, smol
     tie kept, hold the stage's trained weights, and generate the same greedy tokens in both."""
     from safetensors import safe_open
     from test_grpo import _args, _connect_stream, _push, _weight_update
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import grpo
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # _engine_computes goes to the worker pickled
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dpo_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dpo_dir, dtype=torch.float32)
+    model, tokenizer = _load_transformers(smollm2_dpo_dir)  # the learner starts from the DPO checkpoint
     with safe_open(os.path.join(smollm2_dir, "model.safetensors"), "pt") as f:
         base_embedding = f.get_tensor("model.embed_tokens.weight")
-    dpo_greedy, dpo_embedding = _greedy_transformers(smollm2_dpo_dir)
-    assert torch.equal(dpo_embedding, model.get_input_embeddings().weight)
-    assert not torch.allclose(dpo_embedding, base_embedding, rtol=0, atol=1e-6)  # the DPO step's weights
+    assert not torch.allclose(model.get_input_embeddings().weight, base_embedding, rtol=0, atol=1e-6)  # DPO's step
+    dpo_greedy = _greedy_transformers(model.eval(), tokenizer)
     assert all(len(ids) >= 8 for ids in dpo_greedy), dpo_greedy  # texts to compare, not an early <|im_end|>
     head = grpo.install_chunked_head(model, 4096)
     assert head.weight is model.get_input_embeddings().weight  # the learner's tie survives the swap
@@ -409,8 +409,9 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, smol
     # grpo.py's final save of this learner (the chunked head still installed, as at the end of a run)
     args.output_dir, rl_dir = str(tmp_path / "rl"), str(tmp_path / "rl")
     grpo.save_final_model(args, model, tokenizer, grpo.gather_full_state(model, 1), bf16=False)
-    rl_greedy, rl_embedding = _greedy_transformers(rl_dir)
-    assert torch.equal(rl_embedding, embed)  # the update, saved whole
+    reloaded, _ = _load_transformers(rl_dir)
+    assert torch.equal(reloaded.get_input_embeddings().weight, embed)  # the update, saved whole
+    rl_greedy = _greedy_transformers(reloaded.eval(), tokenizer)
     llm = real_model.start_engine(rl_dir, enforce_eager=True)
     try:
         assert _greedy_vllm(llm, tokenizer) == rl_greedy
