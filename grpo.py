@@ -959,8 +959,8 @@ class Actor:
     def run(self):
         # The peaks of the cores (or GPUs) the engine computes on, measured by its workers with their threads: not by
         # this process, whose threads and cores are not the engine's (an actor rank's thread count is its launcher's
-        # OMP_NUM_THREADS; the colocated actor thread runs on the learner's core). Measured here, the same first
-        # step on SmolLM2-135M, one engine core either way, logged MFU 0.73 colocated and 0.37 under torchrun: 0.37
+        # OMP_NUM_THREADS; the colocated actor thread runs on the learner's core). Measured in this process, the same
+        # first step on SmolLM2-135M, one engine core either way, logged MFU 0.73 colocated, 0.37 under torchrun: 0.37
         # at 172 tokens/s (>= 2 x 134.5M FLOPs each) means a peak of >= 125 GFLOP/s, more than the one core the
         # engine had (97 GFLOP/s fp32 here): a peak of both cores.
         self.meter.start(self.args.peak_flops, self.args.peak_memory_bandwidth,
@@ -2959,9 +2959,10 @@ class EngineMeter:
     What perf/actor_mfu counts: the model FLOPs of the work the engine did (2 x matmul parameters per token, the
     attention's QK^T and AV, the LM head at sampled positions only; each sample's prompt prefill as vLLM ran it:
     prompt tokens it served from its prefix cache (num_cached_tokens) cost nothing, so a group's samples share a
-    prefill exactly as far as vLLM's cache shared it), over wall seconds (idle time and
-    weight waits included: busy seconds are perf/actor_occupancy's business) x the peak of the cores or GPUs the
-    engine's workers compute on (engine_peaks)."""
+    prefill exactly as far as vLLM's cache shared it), over wall seconds (idle time and weight waits included: the
+    busy share is perf/actor_occupancy's business) x the peak of the cores or GPUs the engine's workers compute on
+    (engine_peaks). On SmolLM2-135M a generated token cost about 412M FLOPs in a first RL step (4 x 4 samples of
+    ~100-token prompts): 269M of decode (2 x 134.5M parameters, the tied head once), the rest prefills."""
 
     def __init__(self, config, dtype: torch.dtype, max_num_seqs: int, peak_device: str):
         self.shape, self.bytes_per_el = ModelShape.from_config(config), dtype.itemsize
