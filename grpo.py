@@ -957,8 +957,14 @@ class Actor:
 
     # -- the engine loop ------------------------------------------------------------------------
     def run(self):
-        # After run_actor_rank pinned this rank: the peaks of the cores the engine really uses
-        self.meter.start(self.args.peak_flops, self.args.peak_memory_bandwidth)
+        # The peaks of the cores (or GPUs) the engine computes on, measured by its workers with their threads: not by
+        # this process, whose threads and cores are not the engine's (an actor rank's thread count is its launcher's
+        # OMP_NUM_THREADS; the colocated actor thread runs on the learner's core). Measured in this process, the same
+        # first step on SmolLM2-135M, one engine core either way, logged MFU 0.73 colocated, 0.37 under torchrun: 0.37
+        # at 172 tokens/s (>= 2 x 134.5M FLOPs each) means a peak of >= 125 GFLOP/s, more than the one core the
+        # engine had (97 GFLOP/s fp32 here): a peak of both cores.
+        self.meter.start(self.args.peak_flops, self.args.peak_memory_bandwidth,
+                         lambda: engine_peaks(self.llm.collective_rpc("grpo_measure_peaks")))
         while not self.stop.is_set():
             self._take_prompts()
             if self.in_tools:
@@ -1841,6 +1847,11 @@ class WorkerExtension:
 
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda r: not (str(r.msg).endswith("Failed to load weights") and "RotaryEmbedding" in str(r.args)))
+
+    def grpo_measure_peaks(self) -> tuple[float, float, str]:
+        """This worker's peaks (measure_peaks), measured where the engine's FLOPs run: in the worker, with the
+        threads vLLM bound to its cores (VLLM_CPU_OMP_THREADS_BIND), or on its GPU."""
+        return measure_peaks(self.device)
 
 
 
@@ -2913,13 +2924,26 @@ def measure_peaks(device, reps: int = 6) -> tuple[float, float, str]:
                               f"and a 256 MiB copy, best of {reps}")
 
 
-def resolve_peaks(peak_flops: float, peak_bw: float, device: str = "cpu") -> tuple[float, float, str]:
-    """--peak_flops / --peak_memory_bandwidth when given (> 0), else measure_peaks for the missing ones."""
+def resolve_peaks(peak_flops: float, peak_bw: float, device: str = "cpu", measure=None) -> tuple[float, float, str]:
+    """--peak_flops / --peak_memory_bandwidth when given (> 0), else measured for the missing ones: by `measure()`
+    (an engine's: engine_peaks of its workers' measurements), or measure_peaks(device) in this process."""
     if peak_flops > 0 and peak_bw > 0:
         return peak_flops, peak_bw, "given (--peak_flops, --peak_memory_bandwidth)"
-    f, b, src = measure_peaks(device)
+    f, b, src = measure() if measure is not None else measure_peaks(device)
     return ((peak_flops if peak_flops > 0 else f), (peak_bw if peak_bw > 0 else b),
             src + (" (one peak given)" if peak_flops > 0 or peak_bw > 0 else ""))
+
+
+def engine_peaks(worker_peaks: list[tuple[float, float, str]]) -> tuple[float, float, str]:
+    """One engine's peaks from its workers' (FLOP/s, B/s, source): their sums. A tensor-parallel engine's workers
+    each compute their share of every step's FLOPs and read their share of the weights, on their own cores or GPU,
+    and engine_step_cost counts the whole model: its MFU divides by all of them (one GPU's datasheet peak for an
+    engine of two overstated its MFU twice)."""
+    if not worker_peaks:
+        raise ValueError("an engine without workers has no peaks")
+    n, source = len(worker_peaks), worker_peaks[0][2]
+    return (sum(f for f, _, _ in worker_peaks), sum(b for _, b, _ in worker_peaks),
+            f"{source}, in the engine's worker" if n == 1 else f"{source}, in each of the engine's {n} workers, summed")
 
 
 def static_waste(lengths: list[int]) -> float:
@@ -2932,7 +2956,15 @@ def static_waste(lengths: list[int]) -> float:
 class EngineMeter:
     """One engine's accounting for the metrics: the FLOPs, bytes and tokens of its steps (engine_step_cost), its
     busy, idle and occupied seconds, static batches' waste, and the peaks MFU and MBU divide by. `stats` holds the
-    counts since the last `take()` (the delta each finished group carries to learner 0)."""
+    counts since the last `take()` (the delta each finished group carries to learner 0).
+
+    What perf/actor_mfu counts: the model FLOPs of the work the engine did (2 x matmul parameters per token, the
+    attention's QK^T and AV, the LM head at sampled positions only; each sample's prompt prefill as vLLM ran it:
+    prompt tokens it served from its prefix cache (num_cached_tokens) cost nothing, so a group's samples share a
+    prefill exactly as far as vLLM's cache shared it), over wall seconds (idle time and weight waits included: the
+    busy share is perf/actor_occupancy's business) x the peak of the cores or GPUs the engine's workers compute on
+    (engine_peaks). On SmolLM2-135M a generated token cost about 412M FLOPs in a first RL step (4 x 4 samples of
+    ~100-token prompts): 269M of decode (2 x 134.5M parameters, the tied head once), the rest prefills."""
 
     def __init__(self, config, dtype: torch.dtype, max_num_seqs: int, peak_device: str):
         self.shape, self.bytes_per_el = ModelShape.from_config(config), dtype.itemsize
@@ -2941,8 +2973,9 @@ class EngineMeter:
         self.static_lens = []  # response lengths of the running static batch
         self.peak_flops = self.peak_bw = self.peak_source = None  # measured in start(), on the cores it runs on
 
-    def start(self, peak_flops: float, peak_bw: float):
-        self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(peak_flops, peak_bw, self.peak_device)
+    def start(self, peak_flops: float, peak_bw: float, measure=None):
+        """Peaks given (> 0) or measured: `measure()` (the engine's workers: Actor.run), else in this process."""
+        self.peak_flops, self.peak_bw, self.peak_source = resolve_peaks(peak_flops, peak_bw, self.peak_device, measure)
         self.run_totals, self.run_t0 = Counter(), time.perf_counter()
 
     def engine_steps(self, prefill: list[tuple[int, int]], decode_ctx: list[int], steps: int):

@@ -502,9 +502,56 @@ def delta_pair(row: dict, finished: list[str], truncated: list[str] = ()) -> dic
             "rejected": prompt + [{"role": "assistant", "content": worst[1]}]}
 
 
-def report(summaries: dict[str, str], out_dir: str) -> str:
+def rl_curves(metrics_path: str) -> dict:
+    """The series of grpo.py's metrics.jsonl to plot: the training reward of each step (rollout/reward: the mean
+    IFEval score, the fraction of a prompt's constraints followed, over the step's samples) and the held-out
+    evaluations grpo.py ran (--eval_every: eval/pass@1, the same score on held-out prompts, sampled), each as
+    (steps, values)."""
+    from toy import read_metrics
+
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("kind") != "eval" and "rollout/reward" in r]
+    held_out = [r for r in rows if r.get("kind") == "eval" and "eval/pass@1" in r]
+    return {"reward": ([r["step"] for r in train], [r["rollout/reward"] for r in train]),
+            "held_out": ([r["step"] for r in held_out], [r["eval/pass@1"] for r in held_out])}
+
+
+def plot_rl(metrics_path: str, out_path: str, greedy: dict[str, tuple[int, float]] | None = None) -> dict:
+    """Reward and held-out accuracy over RL steps (rl_curves), in one PNG at `out_path`; `greedy`: points
+    {label: (step, prompt-level greedy accuracy)} of the `eval` command at RL's start and end, drawn on the same
+    axes. Returns the series drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = rl_curves(metrics_path)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for (steps, values), label in ((curves["reward"], "training reward (mean IFEval score)"),
+                                   (curves["held_out"], "held-out, sampled (mean IFEval score)")):
+        if steps:
+            ax.plot(steps, values, marker="o", label=label)
+    for label, (step, value) in (greedy or {}).items():
+        ax.scatter([step], [value], marker="s", color="black", zorder=3)
+        ax.annotate(f"{label}: {value:.2f}", (step, value), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.set_title("RL on SmolLM2-135M-Instruct, IFEvalG-format constraints", fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return dict(curves, greedy=dict(greedy or {}))
+
+
+def report(summaries: dict[str, str], out_dir: str, rl_metrics: str | None = None) -> str:
     """One table from the stages' `eval --summary` files: held-out prompt- and instruction-level accuracy
-    (greedy, and sampled pass@1), by constraint type and by eval kind, and the mean response length."""
+    (greedy, and sampled pass@1), by constraint type and by eval kind, and the mean response length. With
+    `rl_metrics` (grpo.py's metrics.jsonl) also rl_curves.png beside the table (plot_rl): the last two stages are
+    RL's start and its end, whose greedy prompt-level accuracy marks the curve's two ends."""
     from toy import write_table
 
     results = {}
@@ -527,7 +574,22 @@ def report(summaries: dict[str, str], out_dir: str) -> str:
         table.append([f"  instruction: {name} (%)"] + pct(lambda r, n=name: r["greedy"]["by_constraint"].get(n)))
     table.append(["Mean response (tokens)"] + [cell(r["mean_response_tokens"]) for r in results.values()])
     os.makedirs(out_dir, exist_ok=True)
-    return write_table(table, results, out_dir, "results")
+    text = write_table(table, results, out_dir, "results")
+    if rl_metrics:
+        steps = rl_curves(rl_metrics)["reward"][0]
+        ends = list(results.items())[-2:] if steps else []
+        greedy = {f"{name}, greedy prompt-level": (step, r["greedy"]["prompt_level"])
+                  for (name, r), step in zip(ends, (0, max(steps) if steps else 0))}
+        path = os.path.join(out_dir, "rl_curves.png")
+        curves = plot_rl(rl_metrics, path, greedy)
+        lines = [f"{'RL step':>8} {'reward':>7} {'held-out':>9}"]
+        held_out = dict(zip(*curves["held_out"]))
+        for step in sorted(set(curves["reward"][0]) | set(held_out)):
+            reward = dict(zip(*curves["reward"])).get(step)
+            lines.append(f"{step:>8} {'-' if reward is None else f'{reward:.3f}':>7} "
+                         f"{'-' if step not in held_out else f'{held_out[step]:.3f}':>9}")
+        text += "\n\n" + "\n".join(lines) + f"\n(plot: {path})"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,6 +627,7 @@ def main():
     p = sub.add_parser("report", help="the stages' table from their eval summaries")
     p.add_argument("--stage", action="append", required=True, help="NAME=SUMMARY_JSON, in table order")
     p.add_argument("--out_dir", required=True)
+    p.add_argument("--rl_metrics", default=None, help="grpo.py's metrics.jsonl: plot reward and held-out accuracy")
     args = parser.parse_args()
     if args.cmd == "model":
         t0 = time.perf_counter()
@@ -586,7 +649,7 @@ def main():
                                       args.num_samples, args.max_tokens, seed=args.seed,
                                       enforce_eager=args.enforce_eager)))
     elif args.cmd == "report":
-        print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir) + "\n")
+        print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir, args.rl_metrics) + "\n")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,35 @@ def test_mfu_mbu_hand_computed():
     assert grpo.engine_step_cost(OLMO3_7B, [], [10], 2, num_engine_steps=3)[1] == 3 * 13_773_488_128 + 10 * 524_288
 
 
+SMOLLM2_135M = grpo.ModelShape(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152)
+
+
+def test_smollm2_mfu_hand_check_and_the_engine_peaks():
+    """The actor's MFU on SmolLM2-135M (134,515,008 parameters, the output head tied to the input embedding) by
+    hand. A decode token costs 2 FLOPs per parameter: the embedding's gather is free, but the tied head's matmul
+    is not, so the parameters count once; the norms (35,136 parameters) are not matmuls; attention adds
+    4 x layers x heads x head_dim per key."""
+    flops, _ = grpo.engine_step_cost(SMOLLM2_135M, [], [1], 4)
+    assert flops == 2 * (134_515_008 - 35_136) + 4 * 30 * 9 * 64 == 268_959_744 + 69_120
+    # The peak MFU divides by is the engine's: its workers measure it on the cores (or GPUs) they compute on, and a
+    # tensor-parallel engine's workers add up. One worker bound to one core, measured at 97e9 FLOP/s:
+    one = grpo.engine_peaks([(97e9, 20e9, "measured on cpu with 1 threads")])
+    assert one[:2] == (97e9, 20e9) and "engine's worker" in one[2]
+    assert grpo.engine_peaks([(989e12, 3.35e12, "datasheet")] * 2)[:2] == (2 * 989e12, 2 * 3.35e12)
+    with pytest.raises(ValueError):
+        grpo.engine_peaks([])
+    peak_flops, peak_bw, source = grpo.resolve_peaks(0.0, 0.0, measure=lambda: one)
+    assert (peak_flops, peak_bw, source) == one  # measured by the engine, not by the calling process
+    assert grpo.resolve_peaks(5e9, 0.0, measure=lambda: one)[:2] == (5e9, 20e9)  # a given peak stays
+    assert grpo.resolve_peaks(5e9, 6e9, measure=lambda: 1 / 0)[:2] == (5e9, 6e9)  # both given: nothing measured
+    # the first RL step of issue #51's run under torchrun: 172 generated tokens/s on that core, decode alone (its
+    # prefills add more) is MFU 0.48, where a 2-thread peak measured in the actor's process (both cores) logged 0.37
+    stats = {"actor": 0, "gen_tokens": 172, "elapsed": 1.0, "flops": 172 * flops, "bytes": 0, "peak_flops": one[0],
+             "peak_bw": one[1], "peak_source": one[2], "max_num_seqs": 32}
+    m = grpo.rollout_metrics([], Counter(), [], [], [], [stats], grpo.Args())
+    assert m["perf/actor_mfu"] == pytest.approx(172 * 269_028_864 / 97e9) == pytest.approx(0.477, abs=1e-3)
+
+
 def test_static_waste_matches_paper():
     # Olmo 3 sec 4.4: mean 14628 at a max of 32000 -> 54% wasted
     assert grpo.static_waste([32000, 6000, 5884]) == pytest.approx((32000 - 14628) / 32000) == pytest.approx(0.542875)

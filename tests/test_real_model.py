@@ -106,6 +106,42 @@ def test_summary_counts_prompt_and_instruction_level():
     assert summary["by_constraint"] == {"lowercase": pytest.approx(1 / 3), "no_comma": pytest.approx(2 / 3)}
 
 
+def test_report_plots_reward_and_held_out_accuracy_over_rl_steps(tmp_path):
+    """demo_real.sh's report: the table, and from grpo.py's metrics.jsonl (as MetricsLogger writes it: training
+    rows per step, eval rows at --eval_every) a PNG of reward and held-out accuracy over RL steps, with the greedy
+    prompt-level accuracy of RL's start (DPO) and end (RL) at steps 0 and the last."""
+    rows = [{"step": 0, "kind": "eval", "eval/pass@1": 0.40},
+            {"step": 1, "kind": "train", "rollout/reward": 0.31, "train/loss": 0.1},
+            {"step": 2, "kind": "train", "rollout/reward": 0.38},
+            {"step": 2, "kind": "eval", "eval/pass@1": 0.45},
+            {"step": 3, "kind": "train", "rollout/reward": 0.47},
+            {"step": 3, "kind": "eval", "eval/pass@1": 0.52}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summaries = {}
+    for stage, level in (("base", 0.2), ("DPO", 0.25), ("RL", 0.5)):
+        summary = {"greedy": {"prompt_level": level, "instruction_level": level, "by_kind": {"single": level},
+                              "by_constraint": {"lowercase": level}}, "mean_response_tokens": 40.0}
+        (tmp_path / f"{stage}.json").write_text(json.dumps(summary))
+        summaries[stage] = str(tmp_path / f"{stage}.json")
+    out = tmp_path / "out"
+    text = real_model.report(summaries, str(out), rl_metrics=str(metrics))
+    assert (out / "results.md").exists()
+    png = (out / "rl_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000  # an image with something drawn
+    assert real_model.rl_curves(str(metrics)) == {"reward": ([1, 2, 3], [0.31, 0.38, 0.47]),
+                                                   "held_out": ([0, 2, 3], [0.40, 0.45, 0.52])}
+    curves = real_model.plot_rl(str(metrics), str(tmp_path / "again.png"), {"RL": (3, 0.5)})
+    assert curves["greedy"] == {"RL": (3, 0.5)} and (tmp_path / "again.png").exists()
+    # the text beside the plot: one line per step, '-' where a series has no point
+    lines = text.split("RL step")[1].splitlines()[1:5]
+    assert [line.split() for line in lines] == [["0", "-", "0.400"], ["1", "0.310", "-"], ["2", "0.380", "0.450"],
+                                                ["3", "0.470", "0.520"]]
+    # no RL log: the table alone, no plot
+    real_model.report(summaries, str(tmp_path / "plain"))
+    assert not (tmp_path / "plain" / "rl_curves.png").exists()
+
+
 # -------------------------------------------------------------------------------------------------
 # The model (slow: the converted model, cached)
 # -------------------------------------------------------------------------------------------------
@@ -171,6 +207,76 @@ def test_chatml_template_trains_each_assistant_turn_and_its_im_end(smollm2_dir):
     assert _trained_spans(tokenizer, out) == [second + "<|im_end|>"]
 
 
+
+# -------------------------------------------------------------------------------------------------
+# Checkpoints: DPO's and RL's, reloaded (slow)
+# -------------------------------------------------------------------------------------------------
+GREEDY_REQUESTS = [("Write a short note about rivers.", ["lowercase"]),
+                   ("Describe a mountain village.", ["no_comma", "words"])]
+GREEDY_TOKENS = 24
+
+
+def _greedy_prompts(tokenizer) -> list[list[int]]:
+    rng = random.Random(1)
+    return [chat_template.tokenize_prompt(tokenizer, real_model.make_row(rng, request, names)["messages"])
+            for request, names in GREEDY_REQUESTS]
+
+
+def _until_eos(ids, eos: int) -> list[int]:
+    ids = list(ids)
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+def _load_transformers(model_dir: str):
+    """The checkpoint reloaded in transformers, its output head still its input embedding (SmolLM2 ties them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, model_dir
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def _greedy_transformers(model, tokenizer) -> list[list[int]]:
+    """Greedy token ids for the fixed prompts, through <|im_end|>."""
+    out = []
+    with torch.no_grad():
+        for prompt in _greedy_prompts(tokenizer):
+            ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.eos_token_id)
+            out.append(_until_eos(ids[0, len(prompt):].tolist(), tokenizer.eos_token_id))
+    return out
+
+
+def _greedy_vllm(llm, tokenizer) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _greedy_prompts(tokenizer)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS), use_tqdm=False)
+    return [_until_eos(o.outputs[0].token_ids, tokenizer.eos_token_id) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dpo_dir(smollm2_dir, tmp_path_factory):
+    """One step of dpo.py on the real model (two delta pairs, as demo_real.sh makes them from its own samples):
+    the DPO checkpoint the RL test starts from, as the recipe goes."""
+    from test_dpo import run_dpo
+
+    root = tmp_path_factory.mktemp("smollm2_dpo")
+    calm = "the sea was calm and the shore was quiet today."
+    worst = calm.capitalize().replace(" and", ", and")
+    with open(root / "pairs.jsonl", "w") as f:
+        for request in ("Describe the sea.", "Describe the shore."):
+            row = real_model.make_row(random.Random(0), request, ["no_comma", "lowercase"])
+            f.write(json.dumps(real_model.delta_pair(row, [calm, worst])) + "\n")
+    out = str(root / "dpo")
+    run_dpo(["--model_name_or_path", smollm2_dir, "--dataset_mixer_list", str(root / "pairs.jsonl"), "1.0",
+             "--output_dir", out, "--reference_cache_dir", str(root / "cache"), "--max_seq_length", "256",
+             "--learning_rate", "1e-4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+             "--max_steps", "1", "--save_steps", "0", "--report_to", "none"])
+    return out
+
+
 PROBE_IDS = [1, 9, 100, 2000, 30000, 49151]  # token ids whose embeddings the engine's checks read
 
 
@@ -194,22 +300,30 @@ def _engine_computes(worker) -> dict:
 
 
 @pytest.mark.slow
-def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monkeypatch):
+def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, smollm2_dpo_dir, monkeypatch, tmp_path):
     """One RL update of the real model, as grpo.py makes it (the chunked LM head holding the tied weight, the OlmoRL
     loss on the engine's own samples, AdamW), streamed into vLLM's native LlamaForCausalLM through our gloo
     weight-transfer backend. The engine must load it into its packed projections (q, k, v -> qkv_proj; gate, up ->
     gate_up_proj, in that order), the probe must hold (the engine's logprobs are the learner's new ones, which the
     update moved well past the probe's tolerance), and the engine's output embedding must still be its input
     embedding, equal to the learner's updated one (vLLM skips `lm_head.weight` of a tied model: a learner whose
-    head came untied would train a head the engine never uses)."""
+    head came untied would train a head the engine never uses).
+
+    It starts, as the recipe does, from dpo.py's checkpoint (one step), and ends with grpo.py's final save: both
+    checkpoints reload in transformers and in vLLM (the actor's engine for DPO's, a fresh engine for RL's) with the
+    tie kept, hold the stage's trained weights, and generate the same greedy tokens in both."""
+    from safetensors import safe_open
     from test_grpo import _args, _connect_stream, _push, _weight_update
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import grpo
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # _engine_computes goes to the worker pickled
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    model, tokenizer = _load_transformers(smollm2_dpo_dir)  # the learner starts from the DPO checkpoint
+    with safe_open(os.path.join(smollm2_dir, "model.safetensors"), "pt") as f:
+        base_embedding = f.get_tensor("model.embed_tokens.weight")
+    assert not torch.allclose(model.get_input_embeddings().weight, base_embedding, rtol=0, atol=1e-6)  # DPO's step
+    dpo_greedy = _greedy_transformers(model.eval(), tokenizer)
+    assert all(len(ids) >= 8 for ids in dpo_greedy), dpo_greedy  # texts to compare, not an early <|im_end|>
     head = grpo.install_chunked_head(model, 4096)
     assert head.weight is model.get_input_embeddings().weight  # the learner's tie survives the swap
     row = real_model.make_row(random.Random(0), "Write a short poem about the sea.", ["lowercase"])
@@ -217,7 +331,8 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
     probe_ids = prompt + tokenizer("the sea is calm tonight and the waves are slow.").input_ids
     args = _args(max_prompt_length=128, max_response_length=48, num_samples_per_prompt=4, temperature=1.0)
     out, errors = [], []
-    actor = grpo.Actor(args, smollm2_dir, 0, out.append, "cpu")
+    actor = grpo.Actor(args, smollm2_dpo_dir, 0, out.append, "cpu")
+    assert _greedy_vllm(actor.llm, tokenizer) == dpo_greedy  # before its loop starts: the engine is idle
 
     def run():
         try:
@@ -273,6 +388,7 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
         actor.inbox.put(None)  # the engine loop ends; the engine stays up for a look inside
         thread.join(60)
         assert not errors and actor.stats["probe_checks"] >= 1, (errors, dict(actor.stats))
+        assert "in the engine's worker" in actor.meter.peak_source  # MFU's peak: the engine's core, not this process's
         assert actor.stats["probe_max_abs_diff"] < 2e-3 * 10 and actor.stats["probe_mean_abs_diff"] < 2e-3
         (engine,) = actor.llm.collective_rpc(_engine_computes)
         embed = model.get_input_embeddings().weight.detach()
@@ -290,6 +406,20 @@ def test_rl_update_reaches_vllm_native_llama_with_the_tie_kept(smollm2_dir, monk
         assert not torch.allclose(expected["logits"], x @ initial_embedding.T, rtol=1e-4, atol=1e-4)
     finally:
         actor.shutdown()
+    # grpo.py's final save of this learner (the chunked head still installed, as at the end of a run)
+    args.output_dir, rl_dir = str(tmp_path / "rl"), str(tmp_path / "rl")
+    grpo.save_final_model(args, model, tokenizer, grpo.gather_full_state(model, 1), bf16=False)
+    reloaded, _ = _load_transformers(rl_dir)
+    assert torch.equal(reloaded.get_input_embeddings().weight, embed)  # the update, saved whole
+    rl_greedy = _greedy_transformers(reloaded.eval(), tokenizer)
+    llm = real_model.start_engine(rl_dir, enforce_eager=True)
+    try:
+        assert _greedy_vllm(llm, tokenizer) == rl_greedy
+        (engine,) = llm.collective_rpc(_engine_computes)
+        assert engine["head_is_embedding"]
+        assert torch.allclose(torch.tensor(engine["logits"]), expected["logits"], rtol=1e-4, atol=1e-4)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_delta_pairs_contrast_a_followed_answer_with_the_worst():
