@@ -10,8 +10,10 @@ own /proc; nothing of the caller's (repository, checkpoints, /proc/<pid>/environ
 namespace's init, so everything it starts (setsid, double forks) dies with it at its wall-clock limit, and with
 the caller when the caller is killed; what a killed pool worker leaves on disk is removed by the pool
 (`cleanup_sandboxes`). A cgroup per run (where one can be made: root, or a delegated v2 subtree) bounds the memory
-(tmpfs included) and processes of the whole sandbox to `memory_mb` and 64; without one, 4 processes of a quarter
-of the budget each (an address-space limit); its tmpfs mounts have inode limits. In every mode a seccomp filter
+(tmpfs included) and processes of the whole sandbox to `memory_mb` and 64; without one, the program may start threads
+(64 tasks) but no other process (`refuse_processes`: threads share their process's address space, so one
+address-space limit bounds them all), and its one process and the harness get half of the budget each; its tmpfs
+mounts have inode limits. In every mode a seccomp filter
 makes the calls that hold memory no address-space limit counts (memfd, sockets, SysV / POSIX shared memory and
 message queues, io_uring, AIO, inotify, fanotify, userfaultfd, F_SETPIPE_SZ) and perf_event_open fail with EPERM
 (`_SECCOMP`). With no usable namespaces (mode "none") the code verifiers refuse to
@@ -58,8 +60,9 @@ _SANDBOX_LOCK = threading.Lock()
 _UID_LOCK = threading.Lock()
 _UID_SLOTS: dict[int, queue.Queue] = {}  # pid -> free sandbox uids
 _FSIZE = 16 << 20  # bytes a program may write to one file (its stdout included)
-_NPROC = 64  # processes + threads of one sandbox whose memory a cgroup bounds together
-_NPROC_NO_CGROUP = 4  # without a cgroup each process may use 1/4 of the budget, so that 4 fill it
+_NPROC = 64  # processes + threads of one sandbox (under a cgroup, which bounds their memory together; without one,
+# threads of the program's one process: they share its address space, so its RLIMIT_AS bounds them all)
+_NPROC_NO_CGROUP = 4  # mode none (no sandbox, no cgroup): 4 processes of 1/4 of the budget each
 _TMP_MB, _SHM_MB = 64, 16  # its /tmp (the work directory) and /dev/shm: tmpfs, part of the memory budget
 _TMP_INODES, _SHM_INODES = 16384, 1024  # files and dirs on each: ~1 KB of kernel memory each outside a cgroup
 _RUN_PREFIX = "verifiers_run_"  # host work dirs and cgroups: <prefix><pid>_..., removed once pid is gone
@@ -100,10 +103,27 @@ _SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); aarch64 has no i
                              "fanotify_init": 262, "userfaultfd": 282, "io_setup": 0, "inotify_init1": 26,
                              "fcntl": 25}),
 }
+_PROCESS_SYSCALLS = {"x86_64": {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435},
+                     "aarch64": {"clone": 220, "clone3": 435}}
 _SECCOMP = r"""
 import ctypes, os, struct
 
 SECCOMP_SYSCALLS = TABLE
+PROCESS_SYSCALLS = PROCESSES
+
+
+def install_filter(prog):
+    # prog: (code, jt, jf, k) BPF instructions over struct seccomp_data
+    libc, word = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = Fprog(len(prog), ctypes.addressof(code))
+    if libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0:  # PR_SET_SECCOMP, FILTER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    return True
 
 
 def deny_unbounded_memory():
@@ -124,16 +144,29 @@ def deny_unbounded_memory():
         if name != "fcntl":
             prog += [(JEQ, 0, 1, number), (RET, 0, 0, EPERM)]
     prog += [(JEQ, 0, 3, nr["fcntl"]), (LD, 0, 0, 24), (JEQ, 0, 1, 1031), (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
-    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+    return install_filter(prog)
 
-    class Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    fprog = Fprog(len(prog), ctypes.addressof(code))
-    if libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0:  # PR_SET_SECCOMP, FILTER
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
-    return True
-""".replace("TABLE", repr(_SECCOMP_SYSCALLS), 1)
+def refuse_processes():
+    # Without a cgroup: threads yes, processes no. A second filter (after deny_unbounded_memory: no_new_privs is
+    # set) fails fork, vfork and a clone without CLONE_THREAD with EPERM, and clone3 with ENOSYS (its flags sit in
+    # a struct a filter cannot read; libc then falls back to clone). CLONE_THREAD needs CLONE_VM: a thread shares
+    # its process's address space, so one RLIMIT_AS bounds them all. -> False where the architecture is not listed.
+    calls = PROCESS_SYSCALLS.get(os.uname().machine)
+    if calls is None:
+        return False
+    LD, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, SECCOMP_SYSCALLS[os.uname().machine][0]), (RET, 0, 0, ALLOW), (LD, 0, 0, 0),
+            (JEQ, 0, 1, calls["clone3"]), (RET, 0, 0, ENOSYS)]
+    for name in ("fork", "vfork"):  # x86_64 only (aarch64 has clone alone)
+        if name in calls:
+            prog += [(JEQ, 0, 1, calls[name]), (RET, 0, 0, EPERM)]
+    # clone's flags: its first argument's low word (offset 16, little-endian); CLONE_THREAD is 0x10000
+    prog += [(JEQ, 0, 3, calls["clone"]), (LD, 0, 0, 16), (JSET, 1, 0, 0x10000), (RET, 0, 0, EPERM),
+             (RET, 0, 0, ALLOW)]
+    return install_filter(prog)
+""".replace("TABLE", repr(_SECCOMP_SYSCALLS), 1).replace("PROCESSES", repr(_PROCESS_SYSCALLS), 1)
 
 
 # Run by the sandbox's interpreter inside the new namespaces, as (namespace) root: builds a root of
@@ -256,6 +289,8 @@ if select.select([cfg["alive_fd"]], [], [], 0)[0]:
     os._exit(125)
 os.close(cfg["alive_fd"])
 deny_unbounded_memory()  # and no_new_privs
+if cfg["refuse_processes"]:
+    refuse_processes()
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 """
 
@@ -413,36 +448,42 @@ def cleanup_sandboxes(pid: int | None = None) -> None:
 
 # ---- starting and ending a run
 
-def _limits(timeout: float, memory_mb: int, cgroup: bool) -> tuple[list[tuple[str, int, int]], int, int, int]:
-    """(rlimits, nproc, tmp_mb, shm_mb). Under a cgroup each process may use the whole budget, which
-    the cgroup bounds for all together; without one, nproc x RLIMIT_AS + the tmpfs sizes = the budget."""
+def _limits(timeout: float, memory_mb: int, cgroup: bool, mode: str) -> tuple[list[tuple[str, int, int]], int, int, int]:
+    """(rlimits, nproc, tmp_mb, shm_mb). Under a cgroup each process may use the whole budget, which the cgroup
+    bounds for all together. Without one (a sandbox mode) the program may start threads but no process
+    (`refuse_processes`): the harness (a process that never runs the program's code) and the program's one process
+    each get half of what the tmpfs sizes leave; in mode none (and where that filter is not known) 4 processes of a
+    quarter each."""
     cpu = max(1, pymath.ceil(timeout))
     tmp_mb, shm_mb = max(1, min(_TMP_MB, memory_mb // 8)), max(1, min(_SHM_MB, memory_mb // 16))
-    nproc = _NPROC if cgroup else _NPROC_NO_CGROUP
-    address_space = memory_mb if cgroup else (memory_mb - tmp_mb - shm_mb) // nproc
+    processes = cgroup or mode == "none" or os.uname().machine not in _PROCESS_SYSCALLS
+    nproc = _NPROC_NO_CGROUP if processes and not cgroup else _NPROC
+    address_space = memory_mb if cgroup else (memory_mb - tmp_mb - shm_mb) // (nproc if processes else 2)
     rlimits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", address_space << 20, address_space << 20),
                ("RLIMIT_FSIZE", _FSIZE, _FSIZE), ("RLIMIT_NOFILE", 256, 256), ("RLIMIT_CORE", 0, 0),
                ("RLIMIT_NPROC", nproc, nproc)]
     return rlimits, nproc, tmp_mb, shm_mb
 
 
-def _sandbox_env() -> dict[str, str]:
+def _sandbox_env(no_processes: bool = False) -> dict[str, str]:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if no_processes:  # a harness that forks its tests installs `refuse_processes` in each test's process itself
+        env["SANDBOX_NO_PROCESSES"] = "1"
     if os.environ.get("LD_LIBRARY_PATH"):  # its directories are bound read-only (_interpreter_paths)
         env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
     return env
 
 
 def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
-                       uid: int, status_fd: int, alive_fd: int) -> list[str]:
+                       uid: int, status_fd: int, alive_fd: int, no_processes: tuple[bool, bool] = (False, False)) -> list[str]:
     binds, links, paths = _root_layout()
     cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
            "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb,
            "shm_mb": shm_mb, "tmp_inodes": _TMP_INODES, "shm_inodes": _SHM_INODES, "binds": binds, "links": links,
-           "paths": paths, "rlimits": rlimits, "argv": argv,
-           "env": _sandbox_env(), "status_fd": status_fd, "alive_fd": alive_fd}
+           "paths": paths, "rlimits": rlimits, "argv": argv, "refuse_processes": no_processes[0] and not no_processes[1],
+           "env": _sandbox_env(no_processes[0]), "status_fd": status_fd, "alive_fd": alive_fd}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
     # namespace's init (the program) and with it every process in the pid namespace.
@@ -453,10 +494,12 @@ def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, 
 
 _BWRAP_START = """
 import json, os, resource, sys
-fd, rlimits, argv = json.loads(sys.argv[1])
+fd, rlimits, argv, no_processes = json.loads(sys.argv[1])
 for name, soft, hard in rlimits:
     resource.setrlimit(getattr(resource, name), (soft, hard))
 deny_unbounded_memory()
+if no_processes:
+    refuse_processes()
 os.write(fd, b"started\\n")
 os.close(fd)
 os.execv(argv[0], argv)
@@ -464,14 +507,14 @@ os.execv(argv[0], argv)
 
 
 def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
-                   status_fd: int) -> list[str]:
+                   status_fd: int, no_processes: tuple[bool, bool] = (False, False)) -> list[str]:
     """The same root and namespaces built by bubblewrap (where it works and unshare does not, e.g. a
     setuid bwrap). Inside, python sets the limits, says "started" on the status descriptor, closes it
     and execs the program."""
     binds, links, paths = _root_layout()
     cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--die-with-parent",
            "--new-session", "--clearenv"]
-    for key, value in _sandbox_env().items():
+    for key, value in _sandbox_env(no_processes[0]).items():
         cmd += ["--setenv", key, value]
     cmd += ["--size", str(tmp_mb << 20), "--tmpfs", "/tmp", "--dev", "/dev", "--size", str(shm_mb << 20),
             "--tmpfs", "/dev/shm", "--proc", "/proc"]
@@ -492,7 +535,7 @@ def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, sh
     for name in os.listdir(os.path.join(workdir, "files")):
         cmd += ["--ro-bind", os.path.join(workdir, "files", name), f"/tmp/{name}"]
     return [*cmd, "--chdir", "/tmp", "--", sys.executable, "-I", "-S", "-c", _SECCOMP + _BWRAP_START,
-            json.dumps([status_fd, rlimits, argv])]
+            json.dumps([status_fd, rlimits, argv, no_processes[0] and not no_processes[1]])]
 
 
 # Mode none has no pid namespace or cgroup to end a run with, and a process group does not hold a
@@ -610,13 +653,16 @@ def _in_cgroup(cmd: list[str], cgroups: list[str]) -> list[str]:
 
 
 def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int, stdin, stdout, stderr,
-                   uid: int, mode: str, pass_fds: tuple, status):
+                   uid: int, mode: str, pass_fds: tuple, status, harness_forks: bool = False):
     """Start `argv` sandboxed, in its own session, with workdir/files as its /tmp; returns (Popen, cgroups).
-    A failure to set the sandbox up is written to `status` (a file), never by the program."""
+    A failure to set the sandbox up is written to `status` (a file), never by the program. Without a cgroup the
+    run may start no process (`refuse_processes`, from its exec on; with `harness_forks`, argv is a harness that
+    forks the program's processes and refuses them processes itself: SANDBOX_NO_PROCESSES=1 says so)."""
     cgroups = None
     if _SANDBOX.get("cgroup"):
         cgroups = _make_cgroup(_SANDBOX["cgroup"], os.path.basename(workdir), memory_mb, _NPROC)
-    rlimits, nproc, tmp_mb, shm_mb = _limits(timeout, memory_mb, cgroups is not None)
+    rlimits, nproc, tmp_mb, shm_mb = _limits(timeout, memory_mb, cgroups is not None, mode)
+    no_processes = (cgroups is None and mode != "none", harness_forks)
     if mode == "none":
         # RLIMIT_NPROC counts every task of the uid, here the trainer's own (a trainer has many): the
         # program's share comes on top of those, the launcher and its shell.
@@ -626,12 +672,13 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
         env["HOME"] = env["TMPDIR"] = cwd
     elif mode == "bwrap":
         pass_fds = (*pass_fds, status.fileno())
-        cmd = _bwrap_command(argv, workdir, rlimits, tmp_mb, shm_mb, status.fileno())
+        cmd = _bwrap_command(argv, workdir, rlimits, tmp_mb, shm_mb, status.fileno(), no_processes)
         cwd, env = workdir, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
         alive = os.pipe()  # its read end sees the end of file once this process is gone
         pass_fds = (*pass_fds, status.fileno(), alive[0])
-        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno(), alive[0])
+        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno(), alive[0],
+                                 no_processes)
         cwd, env = workdir, {}
     if cgroups:
         cmd = _in_cgroup(cmd, cgroups)
@@ -743,7 +790,9 @@ def sandbox_description() -> str:
     mode = _sandbox_mode()
     cgroup = _SANDBOX.get("cgroup")
     budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
-              if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
+              if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each"
+              if mode == "none" else "no cgroup: threads but no other process, with half of the memory (the harness "
+              "the other half)")
     seccomp = ("memfd, sockets, SysV IPC, xattrs, keyrings, AIO, inotify, fanotify, userfaultfd and perf events "
                "refused (seccomp)"
                if os.uname().machine in _SECCOMP_SYSCALLS
@@ -763,7 +812,8 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
     program's behaviour. With `converse`, its last three arguments are the numbers of a pipe it reads requests
     from, one it writes reports to and one for its control messages, and `converse(request_fd, report_fd,
-    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns.
+    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns; argv
+    is then a harness that forks the program's processes (without a cgroup it refuses them processes itself).
     Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit|sandbox_error, "stdout", "stderr", "seconds",
     "conversation"}."""
     mode = mode or _sandbox_mode()
@@ -796,7 +846,8 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             extra = [str(pipes[0]), str(pipes[3]), str(pipes[5])] if converse else []
             t0 = time.monotonic()
             proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
-                                           pass_fds=(pipes[0], pipes[3], pipes[5]) if converse else (), status=fstatus)
+                                           pass_fds=(pipes[0], pipes[3], pipes[5]) if converse else (), status=fstatus,
+                                           harness_forks=converse is not None)
             conversation, status = None, "timeout"
             try:
                 if converse:
@@ -885,6 +936,7 @@ MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST, SANDBOXED = LIMITS
 # control pipe), whatever Yama allows. Inherited by the tests' processes: they cannot trace each other either.
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 PROGRAM = compile(open("solution.py").read(), "solution.py", "exec")  # run anew by each test's process
+NO_PROCESSES = os.environ.pop("SANDBOX_NO_PROCESSES", None) == "1"
 WORK = os.getcwd()
 
 
@@ -1040,6 +1092,8 @@ def run_step(source, ns, scope, mode):
 
 def run_test(nonce):
     os.close(CTL)
+    if NO_PROCESSES:  # no cgroup: threads, but no process of the program's (sandbox.py, _limits)
+        refuse_processes()
     main = types.ModuleType("__main__")  # the program's module is __main__ (multiprocessing pickles by it)
     main.__file__, main.__builtins__ = os.path.join(WORK, "solution.py"), builtins
     sys.modules["__main__"] = main
@@ -1712,7 +1766,7 @@ def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int
     if not verdict["judged"]:
         return verdict
     mode = sandbox_mode()
-    harness = _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout), mode != "none")),
+    harness = _SECCOMP + _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout), mode != "none")),
                                1).replace("PRELOAD", repr(_slow_imports(program)), 1).replace(
         "TEST_IMPORTS", repr(_test_imports(plans)), 1)
 

@@ -1061,8 +1061,8 @@ def test_the_verdict_contract_scores_what_plain_python_scores(unprivileged, user
 @needs_sandbox
 def test_multiprocessing_pool_under_a_cgroup():
     """Red-team finding: a program using multiprocessing.Pool failed (its functions were pickled by a __main__ that
-    was the harness). Under a cgroup only: without one a run has 4 processes and threads in all, and a Pool's
-    workers and helper threads need more (not fixed: see README)."""
+    was the harness). Under a cgroup only: without one a run may start threads but no second process, and a Pool's
+    workers are processes (see README)."""
     S._sandbox_mode()
     if not S._SANDBOX.get("cgroup"):
         pytest.skip("no cgroup here")
@@ -1200,3 +1200,37 @@ def test_an_interpreter_under_tmp_still_judges_every_test():
         assert (r["score"], r["error"]) == (1.0, None), r["details"]
     finally:
         shutil.rmtree(venv, ignore_errors=True)
+
+
+THREADS = ("import threading\nfrom concurrent.futures import ThreadPoolExecutor\n"  # all 4 (or n) alive at once
+           "def f(xs):\n    meet = threading.Barrier(4)\n    def square(x):\n        meet.wait(5)\n        return x * x\n"
+           "    with ThreadPoolExecutor(4) as pool:\n        return list(pool.map(square, xs))\n"
+           "def g(n):\n    out, meet = [0] * n, threading.Barrier(n)\n    def work(i):\n        meet.wait(5)\n"
+           "        out[i] = i * i\n"
+           "    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]\n"
+           "    for t in threads:\n        t.start()\n    for t in threads:\n        t.join()\n    return out\n")
+STARTS_A_PROCESS = ("import os, subprocess, sys\ndef started():\n    try:\n"
+                    "        return subprocess.run([sys.executable, '-c', 'print(1)'], capture_output=True).stdout\n"
+                    "    except OSError as e:\n        return type(e).__name__\n")
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_threads_run_with_or_without_a_cgroup(unprivileged, user):
+    """Red-team finding (round 4): a correct program starting 4 threads (threading.Thread, a ThreadPoolExecutor)
+    failed without a cgroup, where processes and threads were 4 in all. Threads share their process's address
+    space, so they do not multiply its limit: without a cgroup a run may start threads (64 tasks) but no other
+    process (fork and clone without CLONE_THREAD fail with EPERM), and the program's one process gets half of the
+    budget (the harness the other half); under a cgroup, processes too."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    programs = {"threads": THREADS, "process": STARTS_A_PROCESS}
+    out = _drive(prefix, programs, tests=[], code_timeout=10, code_memory_mb=512, per_program_tests={
+        "threads": ["assert f([1, 2, 3, 4]) == [1, 4, 9, 16]", "assert g(4) == [0, 1, 4, 9]",
+                    "assert g(8) == [i * i for i in range(8)]"],
+        "process": ["assert started() in (b'1\\n', 'PermissionError')"]})
+    for name in programs:
+        assert (out[name]["score"], out[name]["error"]) == (1.0, None), (user, name, out[name]["details"])
+    stdio = _drive(prefix, {"threads": THREADS + "print(*f([int(input())] * 4), *g(4))"},
+                   tests=[{"input": "3\n", "output": "9 9 9 9 0 1 4 9"}], verifier="code_stdio", code_timeout=10,
+                   budget=20)["threads"]
+    assert (stdio["score"], stdio["error"]) == (1.0, None), (user, stdio["details"])
+
