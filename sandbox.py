@@ -28,8 +28,10 @@ process, whole, with Python's semantics, and comes back as plain data (exact bui
 plain" and equal to nothing here); the comparison is made here. A check with no expected operand is judged inside
 the program's process and counted ("judged_inside"). Which is which follows the test's text alone. Each test runs
 in a fresh process, with a fresh /tmp, forked from a harness that never ran the program's code and that the
-program can neither trace nor impersonate. For stdio tests (`run_stdio_tests`) this process compares stdout token
-by token, all of it up to the 16 MB file-size limit (past it: status "output_limit", counted).
+program can neither trace nor impersonate. Stdio tests (`run_stdio_tests`) run the same way, one sandbox per row and
+a fresh process per test; this process compares stdout token by token, all of it up to the 16 MB file-size limit
+(past it: status "output_limit", counted). The program's stdin is read-only, its stdout and stderr append-only and
+emptied between tests, so nothing one test writes there reaches the next.
 """
 
 import ast
@@ -812,7 +814,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
     program's behaviour. With `converse`, its last three arguments are the numbers of a pipe it reads requests
     from, one it writes reports to and one for its control messages, and `converse(request_fd, report_fd,
-    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns; argv
+    control_fd, deadline, stdout_file, stderr_file)` talks to it while it runs (its result: "conversation"); the run ends when it returns; argv
     is then a harness that forks the program's processes (without a cgroup it refuses them processes itself).
     Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit|sandbox_error, "stdout", "stderr", "seconds",
     "conversation"}."""
@@ -843,22 +845,29 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             fin.write((stdin_text or "").encode())
             fin.seek(0)
             os.fchmod(fin.fileno(), 0o444)  # a program that reopens /dev/stdin runs as another uid (as root)
+            # The run's ends of them one way only (stdin read-only, stdout and stderr append-only): what one test's
+            # process writes there no later test of the run reads back.
+            ends = [open(f"/proc/self/fd/{f.fileno()}", how) for f, how in ((fin, "rb"), (fout, "ab"), (ferr, "ab"))]
             extra = [str(pipes[0]), str(pipes[3]), str(pipes[5])] if converse else []
             t0 = time.monotonic()
-            proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
+            proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, *ends, uid, mode,
                                            pass_fds=(pipes[0], pipes[3], pipes[5]) if converse else (), status=fstatus,
                                            harness_forks=converse is not None)
             conversation, status = None, "timeout"
             try:
                 if converse:
                     close(0, 3, 5)
-                    conversation = converse(pipes[1], pipes[2], pipes[4], t0 + timeout)
+                    for end in ends:
+                        end.close()
+                    conversation = converse(pipes[1], pipes[2], pipes[4], t0 + timeout, fout, ferr)
                     close(1, 2, 4)  # the harness reads the end of its requests (or a broken pipe) and exits
                 rc = proc.wait(timeout=max(0.0, t0 + timeout - time.monotonic()))
                 status = "ok" if rc == 0 else (f"signal_{-rc}" if rc < 0 else f"exit_{rc}")
             except subprocess.TimeoutExpired:
                 pass
             finally:
+                for end in ends:
+                    end.close()
                 _kill_sandbox(proc, mode)
                 _remove_cgroup(cgroups)
                 if status != "ok" and mode == "namespace":
@@ -917,7 +926,8 @@ def _read(f, limit: int) -> str:
 # (`ys = xs` may alias it). The builtins and modules the test's text names are, there, Python's own, taken before
 # the program ran (`def abs`, `math.isclose = ...` in the program change nothing the test computes).
 # Each test runs in a fresh process forked from a harness that never ran the program's code, as module __main__,
-# with a fresh /tmp and /dev/shm (the harness kills what the test left and empties them before the next test).
+# with a fresh /tmp and /dev/shm (the harness kills what the test left and empties them before the next test), a
+# read-only stdin, and stdout and stderr append-only, emptied here between tests (their size is no message either).
 # Cost here (the caller's): a report is at most _MAX_BYTES bytes as it travels (UTF-8 JSON, measured by the harness
 # before it sends and again here) and _MAX_NODES values; a response at most _MAX_RUN_BYTES and _MAX_RUN_NODES;
 # past them the test fails as `too_large`, counted, and the channel stays usable. Decoding is linear in those
@@ -928,10 +938,10 @@ _MAX_NODES, _MAX_BYTES, _MAX_DEPTH = 1_000_000, 8 << 20, 400
 _MAX_RUN_BYTES, _MAX_RUN_NODES = 24 << 20, 1_000_000
 _MAX_SAME_HASH = 8
 
-_HARNESS = r"""
+_HARNESS_BASE = r"""
 import builtins, ctypes, json, math, os, shutil, signal, sys, types
 REQ, REP, CTL = (int(a) for a in sys.argv[-3:])
-MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST, SANDBOXED = LIMITS
+SANDBOXED = IN_SANDBOX
 # Not dumpable: no process of the program's (the same uid) can ptrace this one or open its /proc/<pid>/fd (the
 # control pipe), whatever Yama allows. Inherited by the tests' processes: they cannot trace each other either.
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
@@ -952,28 +962,14 @@ def entries(d):
 # What /tmp held before any program ran: the run's files, and the directories that make the interpreter's paths
 # reachable when they lie under /tmp (a project cloned there). A test leaves nothing beyond it.
 KEEP = entries(WORK)
-# The names a test's text uses for builtins and math: Python's own, taken before any program ran.
-TEST_NAMES = {k: v for k, v in builtins.__dict__.items() if not k.startswith("_")}
-TEST_NAMES["__clean_import__"] = lambda name: CLEAN[name] if name in CLEAN else __import__(name, fromlist=["_"])
-PLAIN_TYPES = {t: t.__name__ for t in (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)}
-CONTAINERS = {list: "l", tuple: "t", set: "S", frozenset: "F"}
 # Libraries the program imports whose import is slow, imported once here (never from /tmp, the program's dir),
-# so that each test's process does not pay for it again; and the modules the tests import.
+# so that each test's process does not pay for it again.
 path, sys.path = sys.path, [p for p in sys.path if p not in ("", os.getcwd(), os.path.dirname(sys.argv[0]))]
 for module in PRELOAD:
     try:
         __import__(module)
     except Exception:
         pass
-CLEAN = {}  # the modules the tests import, as copies taken here (attributes the program assigns are not in them)
-for name in ("math", *TEST_IMPORTS):
-    try:
-        module = __import__(name, fromlist=["_"])
-        CLEAN[name] = types.ModuleType(name)
-        CLEAN[name].__dict__.update(module.__dict__)
-    except Exception:
-        pass
-TEST_NAMES["math"] = CLEAN["math"]
 sys.path = path
 
 
@@ -1001,6 +997,100 @@ def write(fd, data):
             data = data[os.write(fd, data):]
     except OSError:  # the caller stopped listening (its deadline, a report over its bound)
         os._exit(0)
+
+
+def remove(path):
+    def writable(func, p, exc):  # a directory the program made read-only is still this uid's
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=writable)
+        else:
+            os.unlink(path)
+    except (OSError, RecursionError):
+        pass
+
+
+def fresh_files():
+    # -> whether /tmp (and /dev/shm, in a sandbox) hold nothing a test left
+    clean = True
+    for d in (WORK, "/dev/shm") if SANDBOXED else (WORK,):
+        kept = KEEP if d == WORK else set()
+        try:
+            for path in sorted(entries(d) - kept, key=len):  # a directory before what it holds
+                if os.path.lexists(path):
+                    remove(path)
+            clean = clean and not entries(d) - kept
+        except OSError:
+            clean = False
+    return clean
+
+
+def stop_test(signum, frame):
+    TIMED_OUT.append(True)
+    try:
+        os.kill(test, 9)
+    except OSError:
+        pass
+
+
+TIMED_OUT, test = [], 0
+signal.signal(signal.SIGALRM, stop_test)
+
+
+def run_alone(body, seconds):
+    # body() in a fresh process forked from this one (which never ran the program's code), within `seconds`; what it
+    # started dies with it. -> its wait status, or None when it ran out of time.
+    global test
+    test = os.fork()
+    if test == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        try:
+            body()
+        finally:
+            os._exit(0)
+    TIMED_OUT.clear()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    status = os.waitpid(test, 0)[1]
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    if SANDBOXED:  # in a pid namespace: what the test started dies with it, before the next test
+        try:
+            os.kill(-1, 9)
+        except OSError:
+            pass
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+    return None if TIMED_OUT else status
+"""
+
+# The `code` harness: each test's steps in a fresh process of it, the program run there first.
+_HARNESS = r"""
+MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST = LIMITS
+# The names a test's text uses for builtins and math: Python's own, taken before any program ran.
+TEST_NAMES = {k: v for k, v in builtins.__dict__.items() if not k.startswith("_")}
+TEST_NAMES["__clean_import__"] = lambda name: CLEAN[name] if name in CLEAN else __import__(name, fromlist=["_"])
+PLAIN_TYPES = {t: t.__name__ for t in (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)}
+CONTAINERS = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+# The modules the tests import, imported here (never from /tmp).
+path, sys.path = sys.path, [p for p in sys.path if p not in ("", os.getcwd(), os.path.dirname(sys.argv[0]))]
+CLEAN = {}  # the modules the tests import, as copies taken here (attributes the program assigns are not in them)
+for name in ("math", *TEST_IMPORTS):
+    try:
+        module = __import__(name, fromlist=["_"])
+        CLEAN[name] = types.ModuleType(name)
+        CLEAN[name].__dict__.update(module.__dict__)
+    except Exception:
+        pass
+TEST_NAMES["math"] = CLEAN["math"]
+sys.path = path
 
 
 class TooLarge(Exception):
@@ -1125,72 +1215,94 @@ def run_test(nonce):
         report(nonce, values)  # after all of the assert's calls returned: the values as the program left them
 
 
-def remove(path):
-    def writable(func, p, exc):  # a directory the program made read-only is still this uid's
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
+while True:
+    message = receive()
+    if message[0] == "test":
+        nonce = str(message[1])
+        run_alone(lambda: run_test(nonce), PER_TEST)
+        write(CTL, dump(["done", nonce, fresh_files()]))
+"""
+
+# The `code_stdio` harness: each test's stdin (sent after its request) in a file of its own, the program run as
+# __main__ in a fresh process of it with that file as its stdin, ended as the interpreter ends a script (non-daemon
+# threads joined, atexit, flushed), its exit status told on the control pipe.
+_STDIO_HARNESS = r"""
+import atexit, tempfile
+
+
+def run_program(stdin):
+    for fd in (REQ, REP, CTL):
+        os.close(fd)
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    if NO_PROCESSES:  # no cgroup: threads, but no process of the program's (sandbox.py, _limits)
+        refuse_processes()
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = os.path.join(WORK, "solution.py"), builtins
+    sys.modules["__main__"], sys.argv, code = main, ["solution.py"], 0
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, onerror=writable)
+        exec(PROGRAM, main.__dict__)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
         else:
-            os.unlink(path)
-    except (OSError, RecursionError):
-        pass
-
-
-def fresh_files():
-    # -> whether /tmp (and /dev/shm, in a sandbox) hold nothing a test left
-    clean = True
-    for d in (WORK, "/dev/shm") if SANDBOXED else (WORK,):
-        kept = KEEP if d == WORK else set()
-        try:
-            for path in sorted(entries(d) - kept, key=len):  # a directory before what it holds
-                if os.path.lexists(path):
-                    remove(path)
-            clean = clean and not entries(d) - kept
-        except OSError:
-            clean = False
-    return clean
-
-
-def stop_test(signum, frame):
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
     try:
-        os.kill(test, 9)
-    except OSError:
-        pass
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()  # waits for the non-daemon threads, as at a script's end
+        atexit._run_exitfuncs()
+    except BaseException:
+        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120
+    os._exit(code & 0xFF)
 
 
-signal.signal(signal.SIGALRM, stop_test)
+def read_stdin(size):
+    # -> a file in /tmp holding the next `size` bytes of the request pipe, unlinked (None: /tmp is full)
+    fd, name = tempfile.mkstemp(dir=WORK)
+    os.unlink(name)
+    full = False
+    while size > 0:
+        chunk = os.read(REQ, min(size, 1 << 20))
+        if not chunk:
+            os._exit(0)
+        size -= len(chunk)
+        try:
+            while chunk and not full:
+                chunk = chunk[os.write(fd, chunk):]
+        except OSError:
+            full = True
+    if full:
+        os.close(fd)
+        return None
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 while True:
     message = receive()
     if message[0] != "test":
         continue
-    nonce = str(message[1])
-    test = os.fork()
-    if test == 0:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        try:
-            run_test(nonce)
-        finally:
-            os._exit(0)
-    signal.setitimer(signal.ITIMER_REAL, PER_TEST)
-    os.waitpid(test, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    if SANDBOXED:  # in a pid namespace: what the test started dies with it, before the next test
-        try:
-            os.kill(-1, 9)
-        except OSError:
-            pass
-        try:
-            while True:
-                os.waitpid(-1, 0)
-        except ChildProcessError:
-            pass
-    write(CTL, dump(["done", nonce, fresh_files()]))
+    nonce, stdin = str(message[1]), read_stdin(int(message[2]))
+    if stdin is None:
+        write(CTL, dump(["done", nonce, "stdin_limit", fresh_files()]))
+        continue
+    status = run_alone(lambda: run_program(stdin), float(message[3]))
+    os.close(stdin)
+    if status is None:
+        status = "timeout"
+    else:
+        code = os.waitstatus_to_exitcode(status)
+        status = "ok" if code == 0 else f"signal_{-code}" if code < 0 else f"exit_{code}"
+    write(CTL, dump(["done", nonce, status, fresh_files()]))
 """
 
 
@@ -1613,7 +1725,9 @@ class _Channel:
             os.set_blocking(fd, False)
 
     def send(self, message: list) -> bool:
-        data = (json.dumps(message) + "\n").encode()
+        return self.send_bytes((json.dumps(message) + "\n").encode())
+
+    def send_bytes(self, data: bytes) -> bool:
         while data and not self.closed:
             left = self.deadline - time.monotonic()
             if left <= 0 or not select.select([], [self.req], [], left)[1]:
@@ -1744,6 +1858,12 @@ def _slow_imports(program: str) -> list[str]:
     return sorted({name.split(".")[0] for name in names} & _SLOW_LIBRARIES)
 
 
+def _harness(main: str, program: str, mode: str) -> str:
+    """A harness's source: the seccomp functions, the shared part, then its own `main`."""
+    return _SECCOMP + _HARNESS_BASE.replace("IN_SANDBOX", repr(mode != "none"), 1).replace(
+        "PRELOAD", repr(_slow_imports(program)), 1) + main
+
+
 def _test_imports(plans: list) -> list[str]:
     """The modules the tests import (the harness copies them before any program runs)."""
     found = set()
@@ -1766,18 +1886,25 @@ def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int
     if not verdict["judged"]:
         return verdict
     mode = sandbox_mode()
-    harness = _SECCOMP + _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout), mode != "none")),
-                               1).replace("PRELOAD", repr(_slow_imports(program)), 1).replace(
-        "TEST_IMPORTS", repr(_test_imports(plans)), 1)
+    harness = _harness(_HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout))), 1).replace(
+        "TEST_IMPORTS", repr(_test_imports(plans)), 1), program, mode)
 
-    def converse(req: int, rep: int, ctl: int, deadline: float) -> list[str]:
-        channel = _Channel(req, rep, ctl, deadline)
-        return [_run_test(plan, channel) if plan else "unsupported" for plan in plans]
+    flooded = []
+
+    def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
+        channel, results = _Channel(req, rep, ctl, deadline), []
+        for plan in plans:
+            for f in (out, err):  # emptied between tests: their size is no message from one test to the next
+                os.ftruncate(f.fileno(), 0)
+            results.append(_run_test(plan, channel) if plan else "unsupported")
+            if max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= _FSIZE:
+                flooded.append(True)
+        return results
 
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
                         timeout=timeout, memory_mb=memory_mb, converse=converse, mode=mode)
     verdict.update(status=run["status"], seconds=round(run["seconds"], 3), stderr=run["stderr"][-500:])
-    results = run.get("conversation") or [] if run["status"] != "output_limit" else []  # a flood fails all
+    results = run.get("conversation") or [] if run["status"] != "output_limit" and not flooded else []  # a flood fails all
     verdict.update(passed=results.count("pass"), too_large=results.count("too_large"),
                    not_plain=results.count("not_plain"))
     if verdict["judged_inside"]:
@@ -1794,22 +1921,43 @@ def _same_tokens(out: str, expected: str) -> bool:
 
 def run_stdio_tests(program: str, tests: list[tuple[str, str]], timeout: float, memory_mb: int,
                     budget: float | None) -> dict:
-    """One sandboxed run of `program` per (stdin, expected stdout) test, within `budget` seconds in all (tests
-    not reached fail, status "budget"); stdout, all of it up to the file-size limit (_FSIZE, 16 MB; past it the
-    test fails with status "output_limit"), compared token by token here. Returns {"passed", "statuses",
-    "status"}, status "sandbox_error" (with "stderr") when the sandbox could not start."""
-    deadline = time.monotonic() + (budget or float("inf"))
-    passed, statuses = 0, []
-    for stdin_text, expected in tests:
-        remaining = deadline - time.monotonic()
-        if remaining < 0.2:
-            statuses.append("budget")
-            continue
-        run = run_sandboxed({"solution.py": program}, [sys.executable, "solution.py"], stdin_text,
-                            timeout=min(timeout, remaining), memory_mb=memory_mb, max_output=_FSIZE)
-        if run["status"] == "sandbox_error":
-            return {"passed": 0, "statuses": statuses, "status": "sandbox_error", "stderr": run["stderr"][-500:]}
-        ok = run["status"] == "ok" and _same_tokens(run["stdout"], expected)
-        passed += ok
-        statuses.append("pass" if ok else run["status"])
-    return {"passed": passed, "statuses": statuses, "status": "ok"}
+    """Run `program` once per (stdin, expected stdout) test, all in one sandbox: each test in a fresh process forked
+    from a harness that never ran the program's code, with a fresh /tmp and /dev/shm (as `judge_asserts`), within
+    `timeout` seconds each and `budget` seconds in all (tests not reached fail, status "budget"); stdout, all of it up
+    to the file-size limit (_FSIZE, 16 MB a test; past it the test fails with status "output_limit"), compared token
+    by token here. Returns {"passed", "statuses", "status"}, status "sandbox_error" (with "stderr") when the sandbox
+    could not start."""
+    mode = sandbox_mode()
+
+    def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
+        channel, statuses = _Channel(req, rep, ctl, deadline), []
+        for stdin_text, expected in tests:
+            for f in (out, err):  # the test's output starts at 0 (they are written in append mode)
+                os.ftruncate(f.fileno(), 0)
+            remaining = deadline - time.monotonic()
+            data, nonce = (stdin_text or "").encode(), secrets.token_hex(16)
+            if remaining < 0.2 or not channel.send(["test", nonce, len(data), min(timeout, remaining - 0.1)]) or \
+                    not channel.send_bytes(data):
+                statuses.append("budget")
+                continue
+            while (got := channel.next()) is not None and got[0] != "control":
+                pass  # the report pipe carries nothing here: the program's processes never hold it
+            if got is None or got[1][:2] != ["done", nonce] or len(got[1]) != 4:
+                statuses.append("timeout")
+                continue
+            status = str(got[1][2])
+            sizes = [os.fstat(f.fileno()).st_size for f in (out, err)]
+            if max(sizes) >= _FSIZE:
+                status = "output_limit"
+            elif status == "ok" and _same_tokens(os.pread(out.fileno(), _FSIZE, 0).decode(errors="replace"), expected):
+                status = "pass"
+            statuses.append(status)
+        return statuses
+
+    total = budget if budget else timeout * len(tests) + 10
+    run = run_sandboxed({"solution.py": program, "harness.py": _harness(_STDIO_HARNESS, program, mode)},
+                        [sys.executable, "harness.py"], timeout=total, memory_mb=memory_mb, converse=converse, mode=mode)
+    if run["status"] == "sandbox_error":
+        return {"passed": 0, "statuses": [], "status": "sandbox_error", "stderr": run["stderr"][-500:]}
+    statuses = run["conversation"] or ["budget"] * len(tests)
+    return {"passed": statuses.count("pass"), "statuses": statuses, "status": "ok"}

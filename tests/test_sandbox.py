@@ -1010,6 +1010,13 @@ CONTRACT_CASES = {
                     ["xs = [3, 1, 2]\nys = xs\nassert sorted_copy(ys) == [1, 2, 3] and xs == [3, 1, 2]"], 0.0),
     "builtin_subclass_exact_type": ("class L(list):\n    pass\ndef f(x):\n    return L([x])\n",
                                     ["assert type(f(1)) is list and f(1) == [1]"], 0.0),
+    # a memo from one test to the next through the run's stdin (it was writable) or stdout's size (it was kept)
+    "memo_in_stdin": ("import os\ndef remember(n):\n    os.pwrite(0, str(n).encode(), 0)\n    return 1\n"
+                      "def recall():\n    return int(os.pread(0, 20, 0))\n",
+                      ["assert remember(1234) in (1, None)", "assert recall() == 1234"], 0.0),
+    "memo_in_output_size": ("import os\ndef remember(n):\n    os.write(1, b' ' * n)\n    return 1\n"
+                            "def recall():\n    return os.fstat(1).st_size\n",
+                            ["assert remember(1234) == 1", "assert recall() == 1234"], 0.5),
     "patched_math": ("import math\nmath.factorial = lambda n: 0\ndef f(n):\n    return 0\n",
                      ["import math\nassert f(5) == math.factorial(5)"], 0.0),
     # correct programs scored below 1 on b006eb3
@@ -1234,3 +1241,33 @@ def test_threads_run_with_or_without_a_cgroup(unprivileged, user):
                    budget=20)["threads"]
     assert (stdio["score"], stdio["error"]) == (1.0, None), (user, stdio["details"])
 
+
+
+# Wrong: answers "dec t" from a memo of an earlier test's "enc s", kept wherever a test could leave it for the next one
+# (a file, its stdin or stderr descriptor, read back through those or stdout's); right: reverses.
+STDIO_MEMO = ("import os, sys\nkind, s = input().split()\nmemo = ''\nfor read in (lambda: open('/tmp/memo').read(),\n"
+              "             lambda: os.pread(0, 100, 0).decode(), lambda: os.pread(1, 100, 0).decode(),\n"
+              "             lambda: os.pread(2, 100, 0).decode()):\n    try:\n        memo += read()\n"
+              "    except (OSError, UnicodeDecodeError):\n        pass\n"
+              "if kind == 'enc':\n    print(s[::-1])\n    sys.stdout.flush()\n"
+              "    for fd in (0, 2):\n        try:\n            os.pwrite(fd, f' {s}:{s[::-1]} '.encode(), 0)\n"
+              "        except OSError:\n            pass\n    open('/tmp/memo', 'w').write(f' {s}:{s[::-1]} ')\n"
+              "else:\n    print(next((p.split(':')[0] for p in memo.split() if p.endswith(':' + s)), 'x'))\n")
+STDIO_RIGHT = "kind, s = input().split()\nprint(s[::-1])\n"
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_150_stdio_tests_within_the_row_budget_each_in_a_fresh_process(unprivileged, user):
+    """Red-team finding (round 4): 62 of 150 stdio tests failed within the 8 s budget as root, each test in a sandbox
+    of its own. Now one sandbox per row forks a fresh process per test from a harness that never ran the program; a
+    test still sees no file, descriptor or process an earlier test left."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    tests = [{"input": f"{i} {i + 1}\n", "output": f"{2 * i + 1}\n"} for i in range(150)]
+    r = _drive(prefix, {"sum": "a, b = map(int, input().split())\nprint(a + b)"}, tests=tests,
+               verifier="code_stdio", code_timeout=5, budget=8)["sum"]
+    print(f"\n{user}: 150 stdio tests in {r['seconds']:.2f} s")
+    assert (r["score"], r["error"]) == (1.0, None), (user, r["details"])
+    memo_tests = [{"input": "enc hello\n", "output": "olleh\n"}, {"input": "dec olleh\n", "output": "hello\n"}]
+    out = _drive(prefix, {"memo": STDIO_MEMO, "right": STDIO_RIGHT}, tests=memo_tests, verifier="code_stdio",
+                 code_timeout=5, budget=8)
+    assert (out["memo"]["score"], out["right"]["score"]) == (0.5, 1.0), (user, out)
