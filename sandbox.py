@@ -28,8 +28,8 @@ process, whole, with Python's semantics, and comes back as plain data (exact bui
 plain" and equal to nothing here); the comparison is made here. A check with no expected operand is judged inside
 the program's process and counted ("judged_inside"). Which is which follows the test's text alone. Each test runs
 in a fresh process, with a fresh /tmp, forked from a harness that never ran the program's code and that the
-program can neither trace nor impersonate. Stdio tests (`run_stdio_tests`) run the same way, one sandbox per row and
-a fresh process per test; this process compares stdout token by token, all of it up to the 16 MB file-size limit
+program can neither trace nor impersonate. Stdio tests (`run_stdio_tests`) run the same way, one sandbox per 128
+tests and a fresh process per test, its stdin a read-only file of its own; this process compares stdout token by token, all of it up to the 16 MB file-size limit
 (past it: status "output_limit", counted). The program's stdin is read-only, its stdout and stderr append-only and
 emptied between tests, so nothing one test writes there reaches the next.
 """
@@ -810,12 +810,13 @@ def _sandbox_state() -> dict:
 
 def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None = None, timeout: float = 5.0,
                   memory_mb: int = 1024, max_output: int = 1 << 20, converse: Callable | None = None,
-                  mode: str | None = None) -> dict:
+                  mode: str | None = None, pass_fds: tuple = ()) -> dict:
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
     program's behaviour. With `converse`, its last three arguments are the numbers of a pipe it reads requests
     from, one it writes reports to and one for its control messages, and `converse(request_fd, report_fd,
     control_fd, deadline, stdout_file, stderr_file)` talks to it while it runs (its result: "conversation"); the run ends when it returns; argv
     is then a harness that forks the program's processes (without a cgroup it refuses them processes itself).
+    `pass_fds`: descriptors of this process the run inherits, under the same numbers.
     Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit|sandbox_error, "stdout", "stderr", "seconds",
     "conversation"}."""
     mode = mode or _sandbox_mode()
@@ -851,7 +852,8 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             extra = [str(pipes[0]), str(pipes[3]), str(pipes[5])] if converse else []
             t0 = time.monotonic()
             proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, *ends, uid, mode,
-                                           pass_fds=(pipes[0], pipes[3], pipes[5]) if converse else (), status=fstatus,
+                                           pass_fds=(*pass_fds, *((pipes[0], pipes[3], pipes[5]) if converse else ())),
+                                           status=fstatus,
                                            harness_forks=converse is not None)
             conversation, status = None, "timeout"
             try:
@@ -1223,18 +1225,17 @@ while True:
         write(CTL, dump(["done", nonce, fresh_files()]))
 """
 
-# The `code_stdio` harness: each test's stdin (sent after its request) in a file of its own, the program run as
-# __main__ in a fresh process of it with that file as its stdin, ended as the interpreter ends a script (non-daemon
+# The `code_stdio` harness: the program run as __main__ in a fresh process of it per test, its stdin the test's
+# own file (a descriptor the run was given), ended as the interpreter ends a script (non-daemon
 # threads joined, atexit, flushed), its exit status told on the control pipe.
 _STDIO_HARNESS = r"""
-import atexit, tempfile
+import atexit
+STDINS = set(STDIN_DESCRIPTORS)  # each test's stdin, a read-only file of the caller's
 
 
 def run_program(stdin):
-    for fd in (REQ, REP, CTL):
-        os.close(fd)
     os.dup2(stdin, 0)
-    os.close(stdin)
+    os.closerange(3, 1 << 30)  # the pipes, every test's stdin file: none of them is the program's
     if NO_PROCESSES:  # no cgroup: threads, but no process of the program's (sandbox.py, _limits)
         refuse_processes()
     main = types.ModuleType("__main__")
@@ -1265,36 +1266,15 @@ def run_program(stdin):
     os._exit(code & 0xFF)
 
 
-def read_stdin(size):
-    # -> a file in /tmp holding the next `size` bytes of the request pipe, unlinked (None: /tmp is full)
-    fd, name = tempfile.mkstemp(dir=WORK)
-    os.unlink(name)
-    full = False
-    while size > 0:
-        chunk = os.read(REQ, min(size, 1 << 20))
-        if not chunk:
-            os._exit(0)
-        size -= len(chunk)
-        try:
-            while chunk and not full:
-                chunk = chunk[os.write(fd, chunk):]
-        except OSError:
-            full = True
-    if full:
-        os.close(fd)
-        return None
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 while True:
     message = receive()
     if message[0] != "test":
         continue
-    nonce, stdin = str(message[1]), read_stdin(int(message[2]))
-    if stdin is None:
-        write(CTL, dump(["done", nonce, "stdin_limit", fresh_files()]))
+    nonce, stdin = str(message[1]), message[2]
+    if stdin not in STDINS:  # each of the descriptors the run was given, once
+        write(CTL, dump(["done", nonce, "malformed", fresh_files()]))
         continue
+    STDINS.remove(stdin)
     status = run_alone(lambda: run_program(stdin), float(message[3]))
     os.close(stdin)
     if status is None:
@@ -1919,25 +1899,49 @@ def _same_tokens(out: str, expected: str) -> bool:
     return all(a is not None and b is not None and a.group() == b.group() for a, b in pairs)
 
 
+_STDIO_BATCH = 128  # tests per sandbox run: their stdin files are descriptors it is given
+
+
 def run_stdio_tests(program: str, tests: list[tuple[str, str]], timeout: float, memory_mb: int,
                     budget: float | None) -> dict:
-    """Run `program` once per (stdin, expected stdout) test, all in one sandbox: each test in a fresh process forked
-    from a harness that never ran the program's code, with a fresh /tmp and /dev/shm (as `judge_asserts`), within
-    `timeout` seconds each and `budget` seconds in all (tests not reached fail, status "budget"); stdout, all of it up
-    to the file-size limit (_FSIZE, 16 MB a test; past it the test fails with status "output_limit"), compared token
-    by token here. Returns {"passed", "statuses", "status"}, status "sandbox_error" (with "stderr") when the sandbox
-    could not start."""
-    mode = sandbox_mode()
+    """Run `program` once per (stdin, expected stdout) test, _STDIO_BATCH tests to a sandbox: each test in a fresh
+    process forked from a harness that never ran the program's code, with a fresh /tmp and /dev/shm (as
+    `judge_asserts`) and its stdin a read-only file of its own, within `timeout` seconds each and `budget` seconds in
+    all (tests not reached fail, status "budget"); stdout, all of it up to the file-size limit (_FSIZE, 16 MB a test;
+    past it the test fails with status "output_limit"), compared token by token here. Returns {"passed", "statuses",
+    "status"}, status "sandbox_error" (with "stderr") when the sandbox could not start."""
+    mode, statuses = sandbox_mode(), []
+    deadline = time.monotonic() + (budget or timeout * len(tests) + 10)
+    for start in range(0, len(tests), _STDIO_BATCH):
+        batch = tests[start:start + _STDIO_BATCH]
+        if deadline - time.monotonic() < 0.2:
+            statuses += ["budget"] * len(batch)
+            continue
+        run = _stdio_batch(program, batch, timeout, memory_mb, deadline, mode)
+        if run["status"] == "sandbox_error":
+            return {"passed": 0, "statuses": statuses, "status": "sandbox_error", "stderr": run["stderr"][-500:]}
+        statuses += run["conversation"] or ["budget"] * len(batch)
+    return {"passed": statuses.count("pass"), "statuses": statuses, "status": "ok"}
+
+
+def _stdio_batch(program: str, tests: list[tuple[str, str]], timeout: float, memory_mb: int, deadline: float,
+                 mode: str) -> dict:
+    """One sandbox run of `tests` (run_stdio_tests); its "conversation" holds their statuses."""
+    stdins = []
+    for stdin_text, _ in tests:  # each a file here, given to the run read-only (a seekable file, as a shell gives)
+        with tempfile.TemporaryFile() as f:
+            f.write((stdin_text or "").encode())
+            f.flush()
+            os.fchmod(f.fileno(), 0o444)  # a program that reopens /dev/stdin runs as another uid (as root)
+            stdins.append(os.open(f"/proc/self/fd/{f.fileno()}", os.O_RDONLY))
 
     def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
         channel, statuses = _Channel(req, rep, ctl, deadline), []
-        for stdin_text, expected in tests:
+        for (_, expected), stdin in zip(tests, stdins):
             for f in (out, err):  # the test's output starts at 0 (they are written in append mode)
                 os.ftruncate(f.fileno(), 0)
-            remaining = deadline - time.monotonic()
-            data, nonce = (stdin_text or "").encode(), secrets.token_hex(16)
-            if remaining < 0.2 or not channel.send(["test", nonce, len(data), min(timeout, remaining - 0.1)]) or \
-                    not channel.send_bytes(data):
+            remaining, nonce = deadline - time.monotonic(), secrets.token_hex(16)
+            if remaining < 0.2 or not channel.send(["test", nonce, stdin, min(timeout, remaining - 0.1)]):
                 statuses.append("budget")
                 continue
             while (got := channel.next()) is not None and got[0] != "control":
@@ -1946,18 +1950,18 @@ def run_stdio_tests(program: str, tests: list[tuple[str, str]], timeout: float, 
                 statuses.append("timeout")
                 continue
             status = str(got[1][2])
-            sizes = [os.fstat(f.fileno()).st_size for f in (out, err)]
-            if max(sizes) >= _FSIZE:
+            if max(os.fstat(f.fileno()).st_size for f in (out, err)) >= _FSIZE:
                 status = "output_limit"
             elif status == "ok" and _same_tokens(os.pread(out.fileno(), _FSIZE, 0).decode(errors="replace"), expected):
                 status = "pass"
             statuses.append(status)
         return statuses
 
-    total = budget if budget else timeout * len(tests) + 10
-    run = run_sandboxed({"solution.py": program, "harness.py": _harness(_STDIO_HARNESS, program, mode)},
-                        [sys.executable, "harness.py"], timeout=total, memory_mb=memory_mb, converse=converse, mode=mode)
-    if run["status"] == "sandbox_error":
-        return {"passed": 0, "statuses": [], "status": "sandbox_error", "stderr": run["stderr"][-500:]}
-    statuses = run["conversation"] or ["budget"] * len(tests)
-    return {"passed": statuses.count("pass"), "statuses": statuses, "status": "ok"}
+    harness = _harness(_STDIO_HARNESS.replace("STDIN_DESCRIPTORS", repr(stdins), 1), program, mode)
+    try:
+        return run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
+                             timeout=max(0.0, deadline - time.monotonic()), memory_mb=memory_mb, converse=converse,
+                             mode=mode, pass_fds=tuple(stdins))
+    finally:
+        for fd in stdins:
+            os.close(fd)

@@ -894,6 +894,9 @@ def test_a_value_over_the_bound_is_a_counted_too_large_failure():
 STDIO_CASES = {  # name: (program, stdin, expected stdout)
     "reads_dev_stdin": ("print(int(open('/dev/stdin').read()) * 2)", "21\n", "42\n"),
     "answer_of_2_mb": ("n = int(input())\nprint(' '.join(['7'] * n))", "1000000\n", "7 " * 1000000),
+    # a fast-input idiom (a seekable stdin file: fstat gives its size), on an input larger than the 16 MB file-size
+    # limit and a quarter of the sandbox's /tmp
+    "input_of_24_mb": ("import os\nprint(len(os.read(0, os.fstat(0).st_size).split()))", "7 " * 12000000, "12000000"),
 }
 
 
