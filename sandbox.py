@@ -29,9 +29,10 @@ plain" and equal to nothing here); the comparison is made here. A check with no 
 the program's process and counted ("judged_inside"). Which is which follows the test's text alone. Each test runs
 in a fresh process, with a fresh /tmp, forked from a harness that never ran the program's code and that the
 program can neither trace nor impersonate. Stdio tests (`run_stdio_tests`) run the same way, one sandbox per 128
-tests and a fresh process per test, its stdin a read-only file of its own; this process compares stdout token by token, all of it up to the 16 MB file-size limit
-(past it: status "output_limit", counted). The program's stdin is read-only, its stdout and stderr append-only and
-emptied between tests, so nothing one test writes there reaches the next.
+tests and a fresh process per test, its stdin a read-only file of its own; this process compares stdout token by
+token, all of it up to the 16 MB file-size limit (past it: status "output_limit", counted). The program's stdin is
+read-only, its stdout and stderr append-only and emptied between tests, so nothing one test writes there reaches
+the next.
 """
 
 import ast
