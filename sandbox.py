@@ -10,8 +10,10 @@ own /proc; nothing of the caller's (repository, checkpoints, /proc/<pid>/environ
 namespace's init, so everything it starts (setsid, double forks) dies with it at its wall-clock limit, and with
 the caller when the caller is killed; what a killed pool worker leaves on disk is removed by the pool
 (`cleanup_sandboxes`). A cgroup per run (where one can be made: root, or a delegated v2 subtree) bounds the memory
-(tmpfs included) and processes of the whole sandbox to `memory_mb` and 64; without one, 4 processes of a quarter
-of the budget each (an address-space limit); its tmpfs mounts have inode limits. In every mode a seccomp filter
+(tmpfs included) and processes of the whole sandbox to `memory_mb` and 64; without one, the program may start threads
+(64 tasks) but no other process (`refuse_processes`: threads share their process's address space, so one
+address-space limit bounds them all), and its one process and the harness get half of the budget each; its tmpfs
+mounts have inode limits. In every mode a seccomp filter
 makes the calls that hold memory no address-space limit counts (memfd, sockets, SysV / POSIX shared memory and
 message queues, io_uring, AIO, inotify, fanotify, userfaultfd, F_SETPIPE_SZ) and perf_event_open fail with EPERM
 (`_SECCOMP`). With no usable namespaces (mode "none") the code verifiers refuse to
@@ -26,8 +28,11 @@ process, whole, with Python's semantics, and comes back as plain data (exact bui
 plain" and equal to nothing here); the comparison is made here. A check with no expected operand is judged inside
 the program's process and counted ("judged_inside"). Which is which follows the test's text alone. Each test runs
 in a fresh process, with a fresh /tmp, forked from a harness that never ran the program's code and that the
-program can neither trace nor impersonate. For stdio tests (`run_stdio_tests`) this process compares stdout token
-by token, all of it up to the 16 MB file-size limit (past it: status "output_limit", counted).
+program can neither trace nor impersonate. Stdio tests (`run_stdio_tests`) run the same way, one sandbox per 128
+tests and a fresh process per test, its stdin a read-only file of its own; this process compares stdout token by
+token, all of it up to the 16 MB file-size limit (past it: status "output_limit", counted). The program's stdin is
+read-only, its stdout and stderr append-only and emptied between tests, so nothing one test writes there reaches
+the next.
 """
 
 import ast
@@ -58,8 +63,9 @@ _SANDBOX_LOCK = threading.Lock()
 _UID_LOCK = threading.Lock()
 _UID_SLOTS: dict[int, queue.Queue] = {}  # pid -> free sandbox uids
 _FSIZE = 16 << 20  # bytes a program may write to one file (its stdout included)
-_NPROC = 64  # processes + threads of one sandbox whose memory a cgroup bounds together
-_NPROC_NO_CGROUP = 4  # without a cgroup each process may use 1/4 of the budget, so that 4 fill it
+_NPROC = 64  # processes + threads of one sandbox (under a cgroup, which bounds their memory together; without one,
+# threads of the program's one process: they share its address space, so its RLIMIT_AS bounds them all)
+_NPROC_NO_CGROUP = 4  # mode none (no sandbox, no cgroup): 4 processes of 1/4 of the budget each
 _TMP_MB, _SHM_MB = 64, 16  # its /tmp (the work directory) and /dev/shm: tmpfs, part of the memory budget
 _TMP_INODES, _SHM_INODES = 16384, 1024  # files and dirs on each: ~1 KB of kernel memory each outside a cgroup
 _RUN_PREFIX = "verifiers_run_"  # host work dirs and cgroups: <prefix><pid>_..., removed once pid is gone
@@ -100,10 +106,27 @@ _SECCOMP_SYSCALLS = {  # machine: (audit arch, {name: number}); aarch64 has no i
                              "fanotify_init": 262, "userfaultfd": 282, "io_setup": 0, "inotify_init1": 26,
                              "fcntl": 25}),
 }
+_PROCESS_SYSCALLS = {"x86_64": {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435},
+                     "aarch64": {"clone": 220, "clone3": 435}}
 _SECCOMP = r"""
 import ctypes, os, struct
 
 SECCOMP_SYSCALLS = TABLE
+PROCESS_SYSCALLS = PROCESSES
+
+
+def install_filter(prog):
+    # prog: (code, jt, jf, k) BPF instructions over struct seccomp_data
+    libc, word = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = Fprog(len(prog), ctypes.addressof(code))
+    if libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0:  # PR_SET_SECCOMP, FILTER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    return True
 
 
 def deny_unbounded_memory():
@@ -124,16 +147,29 @@ def deny_unbounded_memory():
         if name != "fcntl":
             prog += [(JEQ, 0, 1, number), (RET, 0, 0, EPERM)]
     prog += [(JEQ, 0, 3, nr["fcntl"]), (LD, 0, 0, 24), (JEQ, 0, 1, 1031), (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
-    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in prog))
+    return install_filter(prog)
 
-    class Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    fprog = Fprog(len(prog), ctypes.addressof(code))
-    if libc.prctl(22, word(2), ctypes.byref(fprog), word(0), word(0)) != 0:  # PR_SET_SECCOMP, FILTER
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
-    return True
-""".replace("TABLE", repr(_SECCOMP_SYSCALLS), 1)
+def refuse_processes():
+    # Without a cgroup: threads yes, processes no. A second filter (after deny_unbounded_memory: no_new_privs is
+    # set) fails fork, vfork and a clone without CLONE_THREAD with EPERM, and clone3 with ENOSYS (its flags sit in
+    # a struct a filter cannot read; libc then falls back to clone). CLONE_THREAD needs CLONE_VM: a thread shares
+    # its process's address space, so one RLIMIT_AS bounds them all. -> False where the architecture is not listed.
+    calls = PROCESS_SYSCALLS.get(os.uname().machine)
+    if calls is None:
+        return False
+    LD, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, SECCOMP_SYSCALLS[os.uname().machine][0]), (RET, 0, 0, ALLOW), (LD, 0, 0, 0),
+            (JEQ, 0, 1, calls["clone3"]), (RET, 0, 0, ENOSYS)]
+    for name in ("fork", "vfork"):  # x86_64 only (aarch64 has clone alone)
+        if name in calls:
+            prog += [(JEQ, 0, 1, calls[name]), (RET, 0, 0, EPERM)]
+    # clone's flags: its first argument's low word (offset 16, little-endian); CLONE_THREAD is 0x10000
+    prog += [(JEQ, 0, 3, calls["clone"]), (LD, 0, 0, 16), (JSET, 1, 0, 0x10000), (RET, 0, 0, EPERM),
+             (RET, 0, 0, ALLOW)]
+    return install_filter(prog)
+""".replace("TABLE", repr(_SECCOMP_SYSCALLS), 1).replace("PROCESSES", repr(_PROCESS_SYSCALLS), 1)
 
 
 # Run by the sandbox's interpreter inside the new namespaces, as (namespace) root: builds a root of
@@ -256,6 +292,8 @@ if select.select([cfg["alive_fd"]], [], [], 0)[0]:
     os._exit(125)
 os.close(cfg["alive_fd"])
 deny_unbounded_memory()  # and no_new_privs
+if cfg["refuse_processes"]:
+    refuse_processes()
 os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
 """
 
@@ -413,36 +451,42 @@ def cleanup_sandboxes(pid: int | None = None) -> None:
 
 # ---- starting and ending a run
 
-def _limits(timeout: float, memory_mb: int, cgroup: bool) -> tuple[list[tuple[str, int, int]], int, int, int]:
-    """(rlimits, nproc, tmp_mb, shm_mb). Under a cgroup each process may use the whole budget, which
-    the cgroup bounds for all together; without one, nproc x RLIMIT_AS + the tmpfs sizes = the budget."""
+def _limits(timeout: float, memory_mb: int, cgroup: bool, mode: str) -> tuple[list[tuple[str, int, int]], int, int, int]:
+    """(rlimits, nproc, tmp_mb, shm_mb). Under a cgroup each process may use the whole budget, which the cgroup
+    bounds for all together. Without one (a sandbox mode) the program may start threads but no process
+    (`refuse_processes`): the harness (a process that never runs the program's code) and the program's one process
+    each get half of what the tmpfs sizes leave; in mode none (and where that filter is not known) 4 processes of a
+    quarter each."""
     cpu = max(1, pymath.ceil(timeout))
     tmp_mb, shm_mb = max(1, min(_TMP_MB, memory_mb // 8)), max(1, min(_SHM_MB, memory_mb // 16))
-    nproc = _NPROC if cgroup else _NPROC_NO_CGROUP
-    address_space = memory_mb if cgroup else (memory_mb - tmp_mb - shm_mb) // nproc
+    processes = cgroup or mode == "none" or os.uname().machine not in _PROCESS_SYSCALLS
+    nproc = _NPROC_NO_CGROUP if processes and not cgroup else _NPROC
+    address_space = memory_mb if cgroup else (memory_mb - tmp_mb - shm_mb) // (nproc if processes else 2)
     rlimits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", address_space << 20, address_space << 20),
                ("RLIMIT_FSIZE", _FSIZE, _FSIZE), ("RLIMIT_NOFILE", 256, 256), ("RLIMIT_CORE", 0, 0),
                ("RLIMIT_NPROC", nproc, nproc)]
     return rlimits, nproc, tmp_mb, shm_mb
 
 
-def _sandbox_env() -> dict[str, str]:
+def _sandbox_env(no_processes: bool = False) -> dict[str, str]:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if no_processes:  # a harness that forks its tests installs `refuse_processes` in each test's process itself
+        env["SANDBOX_NO_PROCESSES"] = "1"
     if os.environ.get("LD_LIBRARY_PATH"):  # its directories are bound read-only (_interpreter_paths)
         env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
     return env
 
 
 def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
-                       uid: int, status_fd: int, alive_fd: int) -> list[str]:
+                       uid: int, status_fd: int, alive_fd: int, no_processes: tuple[bool, bool] = (False, False)) -> list[str]:
     binds, links, paths = _root_layout()
     cfg = {"root": os.path.join(workdir, "root"), "files": os.path.join(workdir, "files"),
            "uid": 65534 if mode == "userns" else uid, "userns": mode == "userns", "tmp_mb": tmp_mb,
            "shm_mb": shm_mb, "tmp_inodes": _TMP_INODES, "shm_inodes": _SHM_INODES, "binds": binds, "links": links,
-           "paths": paths, "rlimits": rlimits, "argv": argv,
-           "env": _sandbox_env(), "status_fd": status_fd, "alive_fd": alive_fd}
+           "paths": paths, "rlimits": rlimits, "argv": argv, "refuse_processes": no_processes[0] and not no_processes[1],
+           "env": _sandbox_env(no_processes[0]), "status_fd": status_fd, "alive_fd": alive_fd}
     user = ["--user", "--map-root-user"] if mode == "userns" else []
     # pdeathsig: if our process is killed (pool timeout), unshare dies, and --kill-child takes the
     # namespace's init (the program) and with it every process in the pid namespace.
@@ -453,10 +497,12 @@ def _namespace_command(mode: str, argv: list[str], workdir: str, rlimits: list, 
 
 _BWRAP_START = """
 import json, os, resource, sys
-fd, rlimits, argv = json.loads(sys.argv[1])
+fd, rlimits, argv, no_processes = json.loads(sys.argv[1])
 for name, soft, hard in rlimits:
     resource.setrlimit(getattr(resource, name), (soft, hard))
 deny_unbounded_memory()
+if no_processes:
+    refuse_processes()
 os.write(fd, b"started\\n")
 os.close(fd)
 os.execv(argv[0], argv)
@@ -464,14 +510,14 @@ os.execv(argv[0], argv)
 
 
 def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, shm_mb: int,
-                   status_fd: int) -> list[str]:
+                   status_fd: int, no_processes: tuple[bool, bool] = (False, False)) -> list[str]:
     """The same root and namespaces built by bubblewrap (where it works and unshare does not, e.g. a
     setuid bwrap). Inside, python sets the limits, says "started" on the status descriptor, closes it
     and execs the program."""
     binds, links, paths = _root_layout()
     cmd = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--die-with-parent",
            "--new-session", "--clearenv"]
-    for key, value in _sandbox_env().items():
+    for key, value in _sandbox_env(no_processes[0]).items():
         cmd += ["--setenv", key, value]
     cmd += ["--size", str(tmp_mb << 20), "--tmpfs", "/tmp", "--dev", "/dev", "--size", str(shm_mb << 20),
             "--tmpfs", "/dev/shm", "--proc", "/proc"]
@@ -492,7 +538,7 @@ def _bwrap_command(argv: list[str], workdir: str, rlimits: list, tmp_mb: int, sh
     for name in os.listdir(os.path.join(workdir, "files")):
         cmd += ["--ro-bind", os.path.join(workdir, "files", name), f"/tmp/{name}"]
     return [*cmd, "--chdir", "/tmp", "--", sys.executable, "-I", "-S", "-c", _SECCOMP + _BWRAP_START,
-            json.dumps([status_fd, rlimits, argv])]
+            json.dumps([status_fd, rlimits, argv, no_processes[0] and not no_processes[1]])]
 
 
 # Mode none has no pid namespace or cgroup to end a run with, and a process group does not hold a
@@ -610,13 +656,16 @@ def _in_cgroup(cmd: list[str], cgroups: list[str]) -> list[str]:
 
 
 def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int, stdin, stdout, stderr,
-                   uid: int, mode: str, pass_fds: tuple, status):
+                   uid: int, mode: str, pass_fds: tuple, status, harness_forks: bool = False):
     """Start `argv` sandboxed, in its own session, with workdir/files as its /tmp; returns (Popen, cgroups).
-    A failure to set the sandbox up is written to `status` (a file), never by the program."""
+    A failure to set the sandbox up is written to `status` (a file), never by the program. Without a cgroup the
+    run may start no process (`refuse_processes`, from its exec on; with `harness_forks`, argv is a harness that
+    forks the program's processes and refuses them processes itself: SANDBOX_NO_PROCESSES=1 says so)."""
     cgroups = None
     if _SANDBOX.get("cgroup"):
         cgroups = _make_cgroup(_SANDBOX["cgroup"], os.path.basename(workdir), memory_mb, _NPROC)
-    rlimits, nproc, tmp_mb, shm_mb = _limits(timeout, memory_mb, cgroups is not None)
+    rlimits, nproc, tmp_mb, shm_mb = _limits(timeout, memory_mb, cgroups is not None, mode)
+    no_processes = (cgroups is None and mode != "none", harness_forks)
     if mode == "none":
         # RLIMIT_NPROC counts every task of the uid, here the trainer's own (a trainer has many): the
         # program's share comes on top of those, the launcher and its shell.
@@ -626,12 +675,13 @@ def _sandbox_popen(argv: list[str], workdir: str, timeout: float, memory_mb: int
         env["HOME"] = env["TMPDIR"] = cwd
     elif mode == "bwrap":
         pass_fds = (*pass_fds, status.fileno())
-        cmd = _bwrap_command(argv, workdir, rlimits, tmp_mb, shm_mb, status.fileno())
+        cmd = _bwrap_command(argv, workdir, rlimits, tmp_mb, shm_mb, status.fileno(), no_processes)
         cwd, env = workdir, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     else:
         alive = os.pipe()  # its read end sees the end of file once this process is gone
         pass_fds = (*pass_fds, status.fileno(), alive[0])
-        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno(), alive[0])
+        cmd = _namespace_command(mode, argv, workdir, rlimits, tmp_mb, shm_mb, uid, status.fileno(), alive[0],
+                                 no_processes)
         cwd, env = workdir, {}
     if cgroups:
         cmd = _in_cgroup(cmd, cgroups)
@@ -743,7 +793,9 @@ def sandbox_description() -> str:
     mode = _sandbox_mode()
     cgroup = _SANDBOX.get("cgroup")
     budget = (f"memory and {_NPROC} processes per run bounded by a cgroup ({'v1' if 'memory' in cgroup else 'v2'})"
-              if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each")
+              if cgroup else f"no cgroup: {_NPROC_NO_CGROUP} processes with 1/{_NPROC_NO_CGROUP} of the memory each"
+              if mode == "none" else "no cgroup: threads but no other process, with half of the memory (the harness "
+              "the other half)")
     seccomp = ("memfd, sockets, SysV IPC, xattrs, keyrings, AIO, inotify, fanotify, userfaultfd and perf events "
                "refused (seccomp)"
                if os.uname().machine in _SECCOMP_SYSCALLS
@@ -759,11 +811,13 @@ def _sandbox_state() -> dict:
 
 def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None = None, timeout: float = 5.0,
                   memory_mb: int = 1024, max_output: int = 1 << 20, converse: Callable | None = None,
-                  mode: str | None = None) -> dict:
+                  mode: str | None = None, pass_fds: tuple = ()) -> dict:
     """Run argv in a fresh sandbox whose /tmp (also its cwd) holds `files`, under limits; never raises for the
     program's behaviour. With `converse`, its last three arguments are the numbers of a pipe it reads requests
     from, one it writes reports to and one for its control messages, and `converse(request_fd, report_fd,
-    control_fd, deadline)` talks to it while it runs (its result: "conversation"); the run ends when it returns.
+    control_fd, deadline, stdout_file, stderr_file)` talks to it while it runs (its result: "conversation"); the run ends when it returns; argv
+    is then a harness that forks the program's processes (without a cgroup it refuses them processes itself).
+    `pass_fds`: descriptors of this process the run inherits, under the same numbers.
     Returns {"status": ok|exit_<rc>|signal_<n>|timeout|output_limit|sandbox_error, "stdout", "stderr", "seconds",
     "conversation"}."""
     mode = mode or _sandbox_mode()
@@ -793,21 +847,30 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
             fin.write((stdin_text or "").encode())
             fin.seek(0)
             os.fchmod(fin.fileno(), 0o444)  # a program that reopens /dev/stdin runs as another uid (as root)
+            # The run's ends of them one way only (stdin read-only, stdout and stderr append-only): what one test's
+            # process writes there no later test of the run reads back.
+            ends = [open(f"/proc/self/fd/{f.fileno()}", how) for f, how in ((fin, "rb"), (fout, "ab"), (ferr, "ab"))]
             extra = [str(pipes[0]), str(pipes[3]), str(pipes[5])] if converse else []
             t0 = time.monotonic()
-            proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, fin, fout, ferr, uid, mode,
-                                           pass_fds=(pipes[0], pipes[3], pipes[5]) if converse else (), status=fstatus)
+            proc, cgroups = _sandbox_popen(argv + extra, workdir, timeout, memory_mb, *ends, uid, mode,
+                                           pass_fds=(*pass_fds, *((pipes[0], pipes[3], pipes[5]) if converse else ())),
+                                           status=fstatus,
+                                           harness_forks=converse is not None)
             conversation, status = None, "timeout"
             try:
                 if converse:
                     close(0, 3, 5)
-                    conversation = converse(pipes[1], pipes[2], pipes[4], t0 + timeout)
+                    for end in ends:
+                        end.close()
+                    conversation = converse(pipes[1], pipes[2], pipes[4], t0 + timeout, fout, ferr)
                     close(1, 2, 4)  # the harness reads the end of its requests (or a broken pipe) and exits
                 rc = proc.wait(timeout=max(0.0, t0 + timeout - time.monotonic()))
                 status = "ok" if rc == 0 else (f"signal_{-rc}" if rc < 0 else f"exit_{rc}")
             except subprocess.TimeoutExpired:
                 pass
             finally:
+                for end in ends:
+                    end.close()
                 _kill_sandbox(proc, mode)
                 _remove_cgroup(cgroups)
                 if status != "ok" and mode == "namespace":
@@ -866,7 +929,8 @@ def _read(f, limit: int) -> str:
 # (`ys = xs` may alias it). The builtins and modules the test's text names are, there, Python's own, taken before
 # the program ran (`def abs`, `math.isclose = ...` in the program change nothing the test computes).
 # Each test runs in a fresh process forked from a harness that never ran the program's code, as module __main__,
-# with a fresh /tmp and /dev/shm (the harness kills what the test left and empties them before the next test).
+# with a fresh /tmp and /dev/shm (the harness kills what the test left and empties them before the next test), a
+# read-only stdin, and stdout and stderr append-only, emptied here between tests (their size is no message either).
 # Cost here (the caller's): a report is at most _MAX_BYTES bytes as it travels (UTF-8 JSON, measured by the harness
 # before it sends and again here) and _MAX_NODES values; a response at most _MAX_RUN_BYTES and _MAX_RUN_NODES;
 # past them the test fails as `too_large`, counted, and the channel stays usable. Decoding is linear in those
@@ -877,14 +941,15 @@ _MAX_NODES, _MAX_BYTES, _MAX_DEPTH = 1_000_000, 8 << 20, 400
 _MAX_RUN_BYTES, _MAX_RUN_NODES = 24 << 20, 1_000_000
 _MAX_SAME_HASH = 8
 
-_HARNESS = r"""
+_HARNESS_BASE = r"""
 import builtins, ctypes, json, math, os, shutil, signal, sys, types
 REQ, REP, CTL = (int(a) for a in sys.argv[-3:])
-MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST, SANDBOXED = LIMITS
+SANDBOXED = IN_SANDBOX
 # Not dumpable: no process of the program's (the same uid) can ptrace this one or open its /proc/<pid>/fd (the
 # control pipe), whatever Yama allows. Inherited by the tests' processes: they cannot trace each other either.
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
 PROGRAM = compile(open("solution.py").read(), "solution.py", "exec")  # run anew by each test's process
+NO_PROCESSES = os.environ.pop("SANDBOX_NO_PROCESSES", None) == "1"
 WORK = os.getcwd()
 
 
@@ -900,28 +965,14 @@ def entries(d):
 # What /tmp held before any program ran: the run's files, and the directories that make the interpreter's paths
 # reachable when they lie under /tmp (a project cloned there). A test leaves nothing beyond it.
 KEEP = entries(WORK)
-# The names a test's text uses for builtins and math: Python's own, taken before any program ran.
-TEST_NAMES = {k: v for k, v in builtins.__dict__.items() if not k.startswith("_")}
-TEST_NAMES["__clean_import__"] = lambda name: CLEAN[name] if name in CLEAN else __import__(name, fromlist=["_"])
-PLAIN_TYPES = {t: t.__name__ for t in (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)}
-CONTAINERS = {list: "l", tuple: "t", set: "S", frozenset: "F"}
 # Libraries the program imports whose import is slow, imported once here (never from /tmp, the program's dir),
-# so that each test's process does not pay for it again; and the modules the tests import.
+# so that each test's process does not pay for it again.
 path, sys.path = sys.path, [p for p in sys.path if p not in ("", os.getcwd(), os.path.dirname(sys.argv[0]))]
 for module in PRELOAD:
     try:
         __import__(module)
     except Exception:
         pass
-CLEAN = {}  # the modules the tests import, as copies taken here (attributes the program assigns are not in them)
-for name in ("math", *TEST_IMPORTS):
-    try:
-        module = __import__(name, fromlist=["_"])
-        CLEAN[name] = types.ModuleType(name)
-        CLEAN[name].__dict__.update(module.__dict__)
-    except Exception:
-        pass
-TEST_NAMES["math"] = CLEAN["math"]
 sys.path = path
 
 
@@ -949,6 +1000,100 @@ def write(fd, data):
             data = data[os.write(fd, data):]
     except OSError:  # the caller stopped listening (its deadline, a report over its bound)
         os._exit(0)
+
+
+def remove(path):
+    def writable(func, p, exc):  # a directory the program made read-only is still this uid's
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=writable)
+        else:
+            os.unlink(path)
+    except (OSError, RecursionError):
+        pass
+
+
+def fresh_files():
+    # -> whether /tmp (and /dev/shm, in a sandbox) hold nothing a test left
+    clean = True
+    for d in (WORK, "/dev/shm") if SANDBOXED else (WORK,):
+        kept = KEEP if d == WORK else set()
+        try:
+            for path in sorted(entries(d) - kept, key=len):  # a directory before what it holds
+                if os.path.lexists(path):
+                    remove(path)
+            clean = clean and not entries(d) - kept
+        except OSError:
+            clean = False
+    return clean
+
+
+def stop_test(signum, frame):
+    TIMED_OUT.append(True)
+    try:
+        os.kill(test, 9)
+    except OSError:
+        pass
+
+
+TIMED_OUT, test = [], 0
+signal.signal(signal.SIGALRM, stop_test)
+
+
+def run_alone(body, seconds):
+    # body() in a fresh process forked from this one (which never ran the program's code), within `seconds`; what it
+    # started dies with it. -> its wait status, or None when it ran out of time.
+    global test
+    test = os.fork()
+    if test == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        try:
+            body()
+        finally:
+            os._exit(0)
+    TIMED_OUT.clear()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    status = os.waitpid(test, 0)[1]
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    if SANDBOXED:  # in a pid namespace: what the test started dies with it, before the next test
+        try:
+            os.kill(-1, 9)
+        except OSError:
+            pass
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+    return None if TIMED_OUT else status
+"""
+
+# The `code` harness: each test's steps in a fresh process of it, the program run there first.
+_HARNESS = r"""
+MAX_BYTES, MAX_NODES, MAX_DEPTH, PER_TEST = LIMITS
+# The names a test's text uses for builtins and math: Python's own, taken before any program ran.
+TEST_NAMES = {k: v for k, v in builtins.__dict__.items() if not k.startswith("_")}
+TEST_NAMES["__clean_import__"] = lambda name: CLEAN[name] if name in CLEAN else __import__(name, fromlist=["_"])
+PLAIN_TYPES = {t: t.__name__ for t in (type(None), bool, int, float, str, bytes, list, tuple, dict, set, frozenset)}
+CONTAINERS = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+# The modules the tests import, imported here (never from /tmp).
+path, sys.path = sys.path, [p for p in sys.path if p not in ("", os.getcwd(), os.path.dirname(sys.argv[0]))]
+CLEAN = {}  # the modules the tests import, as copies taken here (attributes the program assigns are not in them)
+for name in ("math", *TEST_IMPORTS):
+    try:
+        module = __import__(name, fromlist=["_"])
+        CLEAN[name] = types.ModuleType(name)
+        CLEAN[name].__dict__.update(module.__dict__)
+    except Exception:
+        pass
+TEST_NAMES["math"] = CLEAN["math"]
+sys.path = path
 
 
 class TooLarge(Exception):
@@ -1040,6 +1185,8 @@ def run_step(source, ns, scope, mode):
 
 def run_test(nonce):
     os.close(CTL)
+    if NO_PROCESSES:  # no cgroup: threads, but no process of the program's (sandbox.py, _limits)
+        refuse_processes()
     main = types.ModuleType("__main__")  # the program's module is __main__ (multiprocessing pickles by it)
     main.__file__, main.__builtins__ = os.path.join(WORK, "solution.py"), builtins
     sys.modules["__main__"] = main
@@ -1071,72 +1218,72 @@ def run_test(nonce):
         report(nonce, values)  # after all of the assert's calls returned: the values as the program left them
 
 
-def remove(path):
-    def writable(func, p, exc):  # a directory the program made read-only is still this uid's
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
+while True:
+    message = receive()
+    if message[0] == "test":
+        nonce = str(message[1])
+        run_alone(lambda: run_test(nonce), PER_TEST)
+        write(CTL, dump(["done", nonce, fresh_files()]))
+"""
+
+# The `code_stdio` harness: the program run as __main__ in a fresh process of it per test, its stdin the test's
+# own file (a descriptor the run was given), ended as the interpreter ends a script (non-daemon
+# threads joined, atexit, flushed), its exit status told on the control pipe.
+_STDIO_HARNESS = r"""
+import atexit
+STDINS = set(STDIN_DESCRIPTORS)  # each test's stdin, a read-only file of the caller's
+
+
+def run_program(stdin):
+    os.dup2(stdin, 0)
+    os.closerange(3, 1 << 30)  # the pipes, every test's stdin file: none of them is the program's
+    if NO_PROCESSES:  # no cgroup: threads, but no process of the program's (sandbox.py, _limits)
+        refuse_processes()
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = os.path.join(WORK, "solution.py"), builtins
+    sys.modules["__main__"], sys.argv, code = main, ["solution.py"], 0
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, onerror=writable)
+        exec(PROGRAM, main.__dict__)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
         else:
-            os.unlink(path)
-    except (OSError, RecursionError):
-        pass
-
-
-def fresh_files():
-    # -> whether /tmp (and /dev/shm, in a sandbox) hold nothing a test left
-    clean = True
-    for d in (WORK, "/dev/shm") if SANDBOXED else (WORK,):
-        kept = KEEP if d == WORK else set()
-        try:
-            for path in sorted(entries(d) - kept, key=len):  # a directory before what it holds
-                if os.path.lexists(path):
-                    remove(path)
-            clean = clean and not entries(d) - kept
-        except OSError:
-            clean = False
-    return clean
-
-
-def stop_test(signum, frame):
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
     try:
-        os.kill(test, 9)
-    except OSError:
-        pass
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()  # waits for the non-daemon threads, as at a script's end
+        atexit._run_exitfuncs()
+    except BaseException:
+        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120
+    os._exit(code & 0xFF)
 
 
-signal.signal(signal.SIGALRM, stop_test)
 while True:
     message = receive()
     if message[0] != "test":
         continue
-    nonce = str(message[1])
-    test = os.fork()
-    if test == 0:
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        try:
-            run_test(nonce)
-        finally:
-            os._exit(0)
-    signal.setitimer(signal.ITIMER_REAL, PER_TEST)
-    os.waitpid(test, 0)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    if SANDBOXED:  # in a pid namespace: what the test started dies with it, before the next test
-        try:
-            os.kill(-1, 9)
-        except OSError:
-            pass
-        try:
-            while True:
-                os.waitpid(-1, 0)
-        except ChildProcessError:
-            pass
-    write(CTL, dump(["done", nonce, fresh_files()]))
+    nonce, stdin = str(message[1]), message[2]
+    if stdin not in STDINS:  # each of the descriptors the run was given, once
+        write(CTL, dump(["done", nonce, "malformed", fresh_files()]))
+        continue
+    STDINS.remove(stdin)
+    status = run_alone(lambda: run_program(stdin), float(message[3]))
+    os.close(stdin)
+    if status is None:
+        status = "timeout"
+    else:
+        code = os.waitstatus_to_exitcode(status)
+        status = "ok" if code == 0 else f"signal_{-code}" if code < 0 else f"exit_{code}"
+    write(CTL, dump(["done", nonce, status, fresh_files()]))
 """
 
 
@@ -1559,7 +1706,9 @@ class _Channel:
             os.set_blocking(fd, False)
 
     def send(self, message: list) -> bool:
-        data = (json.dumps(message) + "\n").encode()
+        return self.send_bytes((json.dumps(message) + "\n").encode())
+
+    def send_bytes(self, data: bytes) -> bool:
         while data and not self.closed:
             left = self.deadline - time.monotonic()
             if left <= 0 or not select.select([], [self.req], [], left)[1]:
@@ -1690,6 +1839,12 @@ def _slow_imports(program: str) -> list[str]:
     return sorted({name.split(".")[0] for name in names} & _SLOW_LIBRARIES)
 
 
+def _harness(main: str, program: str, mode: str) -> str:
+    """A harness's source: the seccomp functions, the shared part, then its own `main`."""
+    return _SECCOMP + _HARNESS_BASE.replace("IN_SANDBOX", repr(mode != "none"), 1).replace(
+        "PRELOAD", repr(_slow_imports(program)), 1) + main
+
+
 def _test_imports(plans: list) -> list[str]:
     """The modules the tests import (the harness copies them before any program runs)."""
     found = set()
@@ -1712,18 +1867,25 @@ def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int
     if not verdict["judged"]:
         return verdict
     mode = sandbox_mode()
-    harness = _HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout), mode != "none")),
-                               1).replace("PRELOAD", repr(_slow_imports(program)), 1).replace(
-        "TEST_IMPORTS", repr(_test_imports(plans)), 1)
+    harness = _harness(_HARNESS.replace("LIMITS", repr((_MAX_BYTES, _MAX_NODES, _MAX_DEPTH, float(timeout))), 1).replace(
+        "TEST_IMPORTS", repr(_test_imports(plans)), 1), program, mode)
 
-    def converse(req: int, rep: int, ctl: int, deadline: float) -> list[str]:
-        channel = _Channel(req, rep, ctl, deadline)
-        return [_run_test(plan, channel) if plan else "unsupported" for plan in plans]
+    flooded = []
+
+    def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
+        channel, results = _Channel(req, rep, ctl, deadline), []
+        for plan in plans:
+            for f in (out, err):  # emptied between tests: their size is no message from one test to the next
+                os.ftruncate(f.fileno(), 0)
+            results.append(_run_test(plan, channel) if plan else "unsupported")
+            if max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= _FSIZE:
+                flooded.append(True)
+        return results
 
     run = run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
                         timeout=timeout, memory_mb=memory_mb, converse=converse, mode=mode)
     verdict.update(status=run["status"], seconds=round(run["seconds"], 3), stderr=run["stderr"][-500:])
-    results = run.get("conversation") or [] if run["status"] != "output_limit" else []  # a flood fails all
+    results = run.get("conversation") or [] if run["status"] != "output_limit" and not flooded else []  # a flood fails all
     verdict.update(passed=results.count("pass"), too_large=results.count("too_large"),
                    not_plain=results.count("not_plain"))
     if verdict["judged_inside"]:
@@ -1738,24 +1900,69 @@ def _same_tokens(out: str, expected: str) -> bool:
     return all(a is not None and b is not None and a.group() == b.group() for a, b in pairs)
 
 
+_STDIO_BATCH = 128  # tests per sandbox run: their stdin files are descriptors it is given
+
+
 def run_stdio_tests(program: str, tests: list[tuple[str, str]], timeout: float, memory_mb: int,
                     budget: float | None) -> dict:
-    """One sandboxed run of `program` per (stdin, expected stdout) test, within `budget` seconds in all (tests
-    not reached fail, status "budget"); stdout, all of it up to the file-size limit (_FSIZE, 16 MB; past it the
-    test fails with status "output_limit"), compared token by token here. Returns {"passed", "statuses",
+    """Run `program` once per (stdin, expected stdout) test, _STDIO_BATCH tests to a sandbox: each test in a fresh
+    process forked from a harness that never ran the program's code, with a fresh /tmp and /dev/shm (as
+    `judge_asserts`) and its stdin a read-only file of its own, within `timeout` seconds each and `budget` seconds in
+    all (tests not reached fail, status "budget"); stdout, all of it up to the file-size limit (_FSIZE, 16 MB a test;
+    past it the test fails with status "output_limit"), compared token by token here. Returns {"passed", "statuses",
     "status"}, status "sandbox_error" (with "stderr") when the sandbox could not start."""
-    deadline = time.monotonic() + (budget or float("inf"))
-    passed, statuses = 0, []
-    for stdin_text, expected in tests:
-        remaining = deadline - time.monotonic()
-        if remaining < 0.2:
-            statuses.append("budget")
+    mode, statuses = sandbox_mode(), []
+    deadline = time.monotonic() + (budget or timeout * len(tests) + 10)
+    for start in range(0, len(tests), _STDIO_BATCH):
+        batch = tests[start:start + _STDIO_BATCH]
+        if deadline - time.monotonic() < 0.2:
+            statuses += ["budget"] * len(batch)
             continue
-        run = run_sandboxed({"solution.py": program}, [sys.executable, "solution.py"], stdin_text,
-                            timeout=min(timeout, remaining), memory_mb=memory_mb, max_output=_FSIZE)
+        run = _stdio_batch(program, batch, timeout, memory_mb, deadline, mode)
         if run["status"] == "sandbox_error":
             return {"passed": 0, "statuses": statuses, "status": "sandbox_error", "stderr": run["stderr"][-500:]}
-        ok = run["status"] == "ok" and _same_tokens(run["stdout"], expected)
-        passed += ok
-        statuses.append("pass" if ok else run["status"])
-    return {"passed": passed, "statuses": statuses, "status": "ok"}
+        statuses += run["conversation"] or ["budget"] * len(batch)
+    return {"passed": statuses.count("pass"), "statuses": statuses, "status": "ok"}
+
+
+def _stdio_batch(program: str, tests: list[tuple[str, str]], timeout: float, memory_mb: int, deadline: float,
+                 mode: str) -> dict:
+    """One sandbox run of `tests` (run_stdio_tests); its "conversation" holds their statuses."""
+    stdins = []
+    for stdin_text, _ in tests:  # each a file here, given to the run read-only (a seekable file, as a shell gives)
+        with tempfile.TemporaryFile() as f:
+            f.write((stdin_text or "").encode())
+            f.flush()
+            os.fchmod(f.fileno(), 0o444)  # a program that reopens /dev/stdin runs as another uid (as root)
+            stdins.append(os.open(f"/proc/self/fd/{f.fileno()}", os.O_RDONLY))
+
+    def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
+        channel, statuses = _Channel(req, rep, ctl, deadline), []
+        for (_, expected), stdin in zip(tests, stdins):
+            for f in (out, err):  # the test's output starts at 0 (they are written in append mode)
+                os.ftruncate(f.fileno(), 0)
+            remaining, nonce = deadline - time.monotonic(), secrets.token_hex(16)
+            if remaining < 0.2 or not channel.send(["test", nonce, stdin, min(timeout, remaining - 0.1)]):
+                statuses.append("budget")
+                continue
+            while (got := channel.next()) is not None and got[0] != "control":
+                pass  # the report pipe carries nothing here: the program's processes never hold it
+            if got is None or got[1][:2] != ["done", nonce] or len(got[1]) != 4:
+                statuses.append("timeout")
+                continue
+            status = str(got[1][2])
+            if max(os.fstat(f.fileno()).st_size for f in (out, err)) >= _FSIZE:
+                status = "output_limit"
+            elif status == "ok" and _same_tokens(os.pread(out.fileno(), _FSIZE, 0).decode(errors="replace"), expected):
+                status = "pass"
+            statuses.append(status)
+        return statuses
+
+    harness = _harness(_STDIO_HARNESS.replace("STDIN_DESCRIPTORS", repr(stdins), 1), program, mode)
+    try:
+        return run_sandboxed({"solution.py": program, "harness.py": harness}, [sys.executable, "harness.py"],
+                             timeout=max(0.0, deadline - time.monotonic()), memory_mb=memory_mb, converse=converse,
+                             mode=mode, pass_fds=tuple(stdins))
+    finally:
+        for fd in stdins:
+            os.close(fd)

@@ -1426,8 +1426,8 @@ def _stdio_tests(label: Any) -> list[tuple[str, str]]:
 
 def code_stdio(response: str, label: Any, code_timeout: float = 5.0, code_memory_mb: int = 1024,
                budget: float | None = 8.0, allow_unsandboxed_code: bool = False) -> VerifierResult:
-    """Fraction of stdin -> stdout tests passed; one sandboxed run per test, within `budget`
-    seconds in all (tests not reached count as failed).
+    """Fraction of stdin -> stdout tests passed; one sandbox per row, a fresh process per test, within
+    `budget` seconds in all (tests not reached count as failed).
 
     >>> code_stdio("```python\\nprint(int(input()) * 2)\\n```", [{"input": "2\\n", "output": "4\\n"}]).score
     1.0

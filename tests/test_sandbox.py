@@ -894,6 +894,9 @@ def test_a_value_over_the_bound_is_a_counted_too_large_failure():
 STDIO_CASES = {  # name: (program, stdin, expected stdout)
     "reads_dev_stdin": ("print(int(open('/dev/stdin').read()) * 2)", "21\n", "42\n"),
     "answer_of_2_mb": ("n = int(input())\nprint(' '.join(['7'] * n))", "1000000\n", "7 " * 1000000),
+    # a fast-input idiom (a seekable stdin file: fstat gives its size), on an input larger than the 16 MB file-size
+    # limit and a quarter of the sandbox's /tmp
+    "input_of_24_mb": ("import os\nprint(len(os.read(0, os.fstat(0).st_size).split()))", "7 " * 12000000, "12000000"),
 }
 
 
@@ -1010,6 +1013,13 @@ CONTRACT_CASES = {
                     ["xs = [3, 1, 2]\nys = xs\nassert sorted_copy(ys) == [1, 2, 3] and xs == [3, 1, 2]"], 0.0),
     "builtin_subclass_exact_type": ("class L(list):\n    pass\ndef f(x):\n    return L([x])\n",
                                     ["assert type(f(1)) is list and f(1) == [1]"], 0.0),
+    # a memo from one test to the next through the run's stdin (it was writable) or stdout's size (it was kept)
+    "memo_in_stdin": ("import os\ndef remember(n):\n    os.pwrite(0, str(n).encode(), 0)\n    return 1\n"
+                      "def recall():\n    return int(os.pread(0, 20, 0))\n",
+                      ["assert remember(1234) in (1, None)", "assert recall() == 1234"], 0.0),
+    "memo_in_output_size": ("import os\ndef remember(n):\n    os.write(1, b' ' * n)\n    return 1\n"
+                            "def recall():\n    return os.fstat(1).st_size\n",
+                            ["assert remember(1234) == 1", "assert recall() == 1234"], 0.5),
     "patched_math": ("import math\nmath.factorial = lambda n: 0\ndef f(n):\n    return 0\n",
                      ["import math\nassert f(5) == math.factorial(5)"], 0.0),
     # correct programs scored below 1 on b006eb3
@@ -1061,8 +1071,8 @@ def test_the_verdict_contract_scores_what_plain_python_scores(unprivileged, user
 @needs_sandbox
 def test_multiprocessing_pool_under_a_cgroup():
     """Red-team finding: a program using multiprocessing.Pool failed (its functions were pickled by a __main__ that
-    was the harness). Under a cgroup only: without one a run has 4 processes and threads in all, and a Pool's
-    workers and helper threads need more (not fixed: see README)."""
+    was the harness). Under a cgroup only: without one a run may start threads but no second process, and a Pool's
+    workers are processes (see README)."""
     S._sandbox_mode()
     if not S._SANDBOX.get("cgroup"):
         pytest.skip("no cgroup here")
@@ -1200,3 +1210,67 @@ def test_an_interpreter_under_tmp_still_judges_every_test():
         assert (r["score"], r["error"]) == (1.0, None), r["details"]
     finally:
         shutil.rmtree(venv, ignore_errors=True)
+
+
+THREADS = ("import threading\nfrom concurrent.futures import ThreadPoolExecutor\n"  # all 4 (or n) alive at once
+           "def f(xs):\n    meet = threading.Barrier(4)\n    def square(x):\n        meet.wait(5)\n        return x * x\n"
+           "    with ThreadPoolExecutor(4) as pool:\n        return list(pool.map(square, xs))\n"
+           "def g(n):\n    out, meet = [0] * n, threading.Barrier(n)\n    def work(i):\n        meet.wait(5)\n"
+           "        out[i] = i * i\n"
+           "    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]\n"
+           "    for t in threads:\n        t.start()\n    for t in threads:\n        t.join()\n    return out\n")
+STARTS_A_PROCESS = ("import os, subprocess, sys\ndef started():\n    try:\n"
+                    "        return subprocess.run([sys.executable, '-c', 'print(1)'], capture_output=True).stdout\n"
+                    "    except OSError as e:\n        return type(e).__name__\n")
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_threads_run_with_or_without_a_cgroup(unprivileged, user):
+    """Red-team finding (round 4): a correct program starting 4 threads (threading.Thread, a ThreadPoolExecutor)
+    failed without a cgroup, where processes and threads were 4 in all. Threads share their process's address
+    space, so they do not multiply its limit: without a cgroup a run may start threads (64 tasks) but no other
+    process (fork and clone without CLONE_THREAD fail with EPERM), and the program's one process gets half of the
+    budget (the harness the other half); under a cgroup, processes too."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    programs = {"threads": THREADS, "process": STARTS_A_PROCESS}
+    out = _drive(prefix, programs, tests=[], code_timeout=10, code_memory_mb=512, per_program_tests={
+        "threads": ["assert f([1, 2, 3, 4]) == [1, 4, 9, 16]", "assert g(4) == [0, 1, 4, 9]",
+                    "assert g(8) == [i * i for i in range(8)]"],
+        "process": ["assert started() in (b'1\\n', 'PermissionError')"]})
+    for name in programs:
+        assert (out[name]["score"], out[name]["error"]) == (1.0, None), (user, name, out[name]["details"])
+    stdio = _drive(prefix, {"threads": THREADS + "print(*f([int(input())] * 4), *g(4))"},
+                   tests=[{"input": "3\n", "output": "9 9 9 9 0 1 4 9"}], verifier="code_stdio", code_timeout=10,
+                   budget=20)["threads"]
+    assert (stdio["score"], stdio["error"]) == (1.0, None), (user, stdio["details"])
+
+
+
+# Wrong: answers "dec t" from a memo of an earlier test's "enc s", kept wherever a test could leave it for the next one
+# (a file, its stdin or stderr descriptor, read back through those or stdout's); right: reverses.
+STDIO_MEMO = ("import os, sys\nkind, s = input().split()\nmemo = ''\nfor read in (lambda: open('/tmp/memo').read(),\n"
+              "             lambda: os.pread(0, 100, 0).decode(), lambda: os.pread(1, 100, 0).decode(),\n"
+              "             lambda: os.pread(2, 100, 0).decode()):\n    try:\n        memo += read()\n"
+              "    except (OSError, UnicodeDecodeError):\n        pass\n"
+              "if kind == 'enc':\n    print(s[::-1])\n    sys.stdout.flush()\n"
+              "    for fd in (0, 2):\n        try:\n            os.pwrite(fd, f' {s}:{s[::-1]} '.encode(), 0)\n"
+              "        except OSError:\n            pass\n    open('/tmp/memo', 'w').write(f' {s}:{s[::-1]} ')\n"
+              "else:\n    print(next((p.split(':')[0] for p in memo.split() if p.endswith(':' + s)), 'x'))\n")
+STDIO_RIGHT = "kind, s = input().split()\nprint(s[::-1])\n"
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_150_stdio_tests_within_the_row_budget_each_in_a_fresh_process(unprivileged, user):
+    """Red-team finding (round 4): 62 of 150 stdio tests failed within the 8 s budget as root, each test in a sandbox
+    of its own. Now one sandbox per row forks a fresh process per test from a harness that never ran the program; a
+    test still sees no file, descriptor or process an earlier test left."""
+    prefix = _users(unprivileged).get(user) or pytest.skip(f"no {user} here")
+    tests = [{"input": f"{i} {i + 1}\n", "output": f"{2 * i + 1}\n"} for i in range(150)]
+    r = _drive(prefix, {"sum": "a, b = map(int, input().split())\nprint(a + b)"}, tests=tests,
+               verifier="code_stdio", code_timeout=5, budget=8)["sum"]
+    print(f"\n{user}: 150 stdio tests in {r['seconds']:.2f} s")
+    assert (r["score"], r["error"]) == (1.0, None), (user, r["details"])
+    memo_tests = [{"input": "enc hello\n", "output": "olleh\n"}, {"input": "dec olleh\n", "output": "hello\n"}]
+    out = _drive(prefix, {"memo": STDIO_MEMO, "right": STDIO_RIGHT}, tests=memo_tests, verifier="code_stdio",
+                 code_timeout=5, budget=8)
+    assert (out["memo"]["score"], out["right"]["score"]) == (0.5, 1.0), (user, out)
