@@ -943,6 +943,7 @@ COSTLY = {  # name: (program, tests): each the caller's work, all refused (score
 }
 
 
+@pytest.mark.slow  # 40 s a user: it builds each worst case the red team found
 @pytest.mark.parametrize("user", ["root", "unprivileged"])
 def test_judging_costs_the_caller_a_bounded_time_and_memory(unprivileged, user):
     """Red-team findings: values built so that judging them cost the caller 55-131 s of CPU for one response
