@@ -1052,7 +1052,7 @@ class Actor:
         self.stop.set()
         with contextlib.suppress(Exception):
             self.engine.engine_core.shutdown()
-        shutil.rmtree(self.weights.adapter_root, ignore_errors=True)
+        remove_adapter_roots()
 
 
 def kill_stalled_engine(rank: int, actor_id: int, busy: float, timeout_s: float) -> str:
@@ -1132,6 +1132,7 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                 what = kill_stalled_engine(rank, actor.actor_id, busy, args.timeout_s) + (
                     f"; and {errors[0]}" if errors else "")
                 print(f"[actor rank {rank}] FATAL: {what}", file=sys.stderr, flush=True)
+                remove_adapter_roots()
                 if threads[1].is_alive():  # the data thread owns the link to learner 0: it sends the error
                     outbox.put({"error": what})
                     outbox.put(None)
@@ -1551,6 +1552,15 @@ class WeightClient:
         return drain_s
 
 
+ADAPTER_ROOTS = []  # LoRA: this process's engines' adapter directories
+
+
+def remove_adapter_roots():
+    """LoRA: delete this process's engines' adapter directories (on a RAM disk by default), whatever the exit."""
+    for root in ADAPTER_ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 class EngineWeights:
     """An actor's end of the weight updates, called by its engine loop between two engine steps: it makes learner
     0's calls on the engine's LLM (vLLM's weight-transfer protocol), holds admission while an update waits, tells
@@ -1565,6 +1575,7 @@ class EngineWeights:
         self.drained = None  # drained updates: the version it last drained for, told learner 0
         self.adapters = {}  # LoRA: version -> its LoRARequest, loaded in the engine and not removed yet
         self.adapter_root = os.path.join(actor.args.lora_dir, f"grpo-adapters-{os.getpid()}-{actor.actor_id}")
+        ADAPTER_ROOTS.append(self.adapter_root)  # removed at exit, failed runs' too (remove_adapter_roots)
 
     def join(self, init_info: dict):
         """vLLM's init_weight_transfer_engine: this engine's workers join learner 0's weight stream as ranks
@@ -1638,7 +1649,8 @@ class EngineWeights:
         from vllm.lora.request import LoRARequest
 
         actor = self.actor
-        if os.environ.get("GRPO_TEST_SKIP_ADAPTER_LOAD") and self.adapters:  # TEST ONLY: a load that never happens
+        skip_from = os.environ.get("GRPO_TEST_SKIP_ADAPTER_LOAD")  # TEST ONLY: from this version on, loads never happen
+        if skip_from and version >= int(skip_from) and self.adapters:  # (the engine keeps serving an older adapter)
             return
         name = f"policy-{version}"
         path, tmp = os.path.join(self.adapter_root, name), os.path.join(self.adapter_root, f".tmp-{name}")
@@ -2716,6 +2728,7 @@ def main():
         try:
             run_actor_rank(args, rank, 0, groups, device, model_path, cores, gpus)
         except KeyboardInterrupt:
+            remove_adapter_roots()
             os._exit(130)
         except Exception:
             traceback.print_exc()
@@ -2734,6 +2747,7 @@ def main():
         print(f"[rank {rank}] FATAL: {e}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    remove_adapter_roots()  # a colocated engine's
     os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
 
 
