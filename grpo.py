@@ -51,6 +51,11 @@ the two in step):
         --gradient_checkpointing ...
 
 Outputs in `output_dir`: the final model (HF layout), metrics.jsonl, summary.json, checkpoints/step_N.
+
+LoRA (`--lora_rank 16`): the learner trains a peft adapter over the frozen model and each update sends the adapter
+alone; every engine loads it through vLLM's add_lora under a name of its own per policy version, so a request keeps
+the adapter it started on (its tokens carry that version) and the prefix cache never mixes versions
+(EngineWeights.load_adapter). Checkpoints hold the adapter; output_dir the merged model, output_dir/adapter the adapter.
 """
 
 from __future__ import annotations
@@ -1561,6 +1566,19 @@ def remove_adapter_roots():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def remove_dead_adapter_roots(lora_dir: str):
+    """LoRA: delete the adapter directories of engines whose process is gone (a killed run's, kept on the RAM disk)."""
+    for name in os.listdir(lora_dir) if os.path.isdir(lora_dir) else []:
+        parts = name.split("-")
+        if name.startswith("grpo-adapters-") and len(parts) == 4 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(lora_dir, name), ignore_errors=True)
+            except PermissionError:  # alive, another user's
+                pass
+
+
 class EngineWeights:
     """An actor's end of the weight updates, called by its engine loop between two engine steps: it makes learner
     0's calls on the engine's LLM (vLLM's weight-transfer protocol), holds admission while an update waits, tells
@@ -1576,6 +1594,8 @@ class EngineWeights:
         self.adapters = {}  # LoRA: version -> its LoRARequest, loaded in the engine and not removed yet
         self.adapter_root = os.path.join(actor.args.lora_dir, f"grpo-adapters-{os.getpid()}-{actor.actor_id}")
         ADAPTER_ROOTS.append(self.adapter_root)  # removed at exit, failed runs' too (remove_adapter_roots)
+        if actor.args.lora_rank:
+            remove_dead_adapter_roots(actor.args.lora_dir)
 
     def join(self, init_info: dict):
         """vLLM's init_weight_transfer_engine: this engine's workers join learner 0's weight stream as ranks
@@ -2714,6 +2734,10 @@ def main():
             groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
         groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
     latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
+    if latest and args.lora_rank != 0 and not os.path.isfile(os.path.join(latest, "adapter_config.json")) or (
+            latest and args.lora_rank == 0 and not os.path.isfile(os.path.join(latest, "config.json"))):
+        raise SystemExit(f"--resume: {latest} holds a {'full model' if args.lora_rank else 'LoRA adapter'}; resume "
+                         f"with the --lora_rank it was trained with")
     model_path = args.model_name_or_path if args.lora_rank else latest or args.model_name_or_path  # LoRA: the base
 
     def on_sigterm(signum, frame):
