@@ -844,7 +844,7 @@ class Actor:
             kwargs = ({"kv_cache_memory_bytes": 1 << 30} if device == "cpu" else
                       {"gpu_memory_utilization": memory_share or args.vllm_gpu_memory_utilization})
             if args.lora_rank:
-                kwargs.update(engine_lora_options(args))
+                kwargs.update(engine_lora_options(args, model_path))
             self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id,
                            enforce_eager=args.enforce_eager,
                            max_model_len=args.max_prompt_length + args.max_response_length,
@@ -1804,11 +1804,13 @@ def write_adapter(path: str, config, tensors: dict) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
 
 
-def engine_lora_options(args: Args) -> dict:
+def engine_lora_options(args: Args, model_path: str) -> dict:
     """vLLM's LoRA settings for --lora_rank. max_lora_rank: the smallest rank vLLM offers that holds it.
     max_loras (adapters a batch may mix): one per policy version a running request may still be on, async_steps + 1,
     plus the probe's newest: async_steps + 2 (TRL's async trainer sizes it so too); a request on an older one waits
-    for a slot."""
+    for a slot. lora_target_modules: the adapter's modules (lora_module_names), so that vLLM leaves the LM head
+    unwrapped: vLLM 0.32's LoRA logits processor fails on prompt logprobs (the probe) batched with other requests
+    (its einsum sizes one row per request against one per prompt token), on native models such as Llama."""
     import typing
 
     from vllm.config.lora import MaxLoRARanks
@@ -1816,7 +1818,28 @@ def engine_lora_options(args: Args) -> dict:
     ranks = [r for r in typing.get_args(MaxLoRARanks) if r >= args.lora_rank]
     if not ranks:
         raise SystemExit(f"--lora_rank {args.lora_rank}: vLLM serves ranks up to {max(typing.get_args(MaxLoRARanks))}")
-    return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": args.async_steps + 2}
+    return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": args.async_steps + 2,
+            "lora_target_modules": lora_module_names(args, model_path)}
+
+
+def lora_module_names(args: Args, model_path: str) -> list[str]:
+    """The module names --lora_target_modules puts adapters on: 'all-linear' as peft resolves it (every linear
+    layer's name but the output layer's), on the model built on the meta device. The LM head is refused (see
+    engine_lora_options)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = next(name for name, m in model.named_modules() if m is model.get_output_embeddings()).rsplit(".", 1)[-1]
+    if args.lora_target_modules != ["all-linear"]:
+        names = list(args.lora_target_modules)
+    else:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)} - {head})
+    if head in names:
+        raise SystemExit(f"--lora_target_modules {head}: an adapter on the LM head is not supported (vLLM's LoRA "
+                         "logits processor fails on the probe's prompt logprobs)")
+    return names
 
 
 def transfer_address(world_size: int) -> str:
@@ -2692,6 +2715,8 @@ def main():
     if args.response_length_sampler == "exponential" and args.response_length_mean <= 0:
         raise ValueError("--response_length_sampler exponential needs --response_length_mean > 0")
     check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
+    if args.lora_rank:  # a bad --lora_target_modules stops every rank now, not the engines once started
+        lora_module_names(args, args.model_name_or_path)
 
     # ---------------------------------------------------------------------------------------------
     # Distributed setup plus the role split

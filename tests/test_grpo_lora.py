@@ -105,19 +105,27 @@ def test_torchrun_lora_actor_killed_then_resume_from_the_adapter(toy_model_dir, 
     assert sorted(f for f in os.listdir(last) if f.startswith(("adapter", "model"))) == [
         "adapter_config.json", "adapter_model.safetensors"]
     step = torch.load(os.path.join(last, "training_state.pt"), weights_only=False)["step"]
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(last, "adapter_model.safetensors"))
 
     with open(tmp_path / "resumed.txt", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              *_cmd(toy_model_dir, data, out, "--num_training_steps", str(step + 2), "--resume",
-                                  "--vllm_tensor_parallel_size", "2")],
+                                  "--vllm_tensor_parallel_size", "2", "--seed", "2")],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=400).returncode
     text = open(tmp_path / "resumed.txt").read()
     assert rc == 0 and f"start step {step}" in text, text[-3000:]
     after = _train_rows(out)[len(rows):]
     assert [r["step"] for r in after] == [step + 1, step + 2], after
     assert sum(r["sync/probe_checks"] for r in after) >= 1 and all(r["sync/probe_max_abs_diff"] < 2e-3 for r in after)
+    # the run went on from the saved adapter: lora_A moved by two AdamW steps (about lr each), not re-drawn (a new
+    # adapter under --seed 2 would differ by the init's scale, ~0.1)
+    final = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    a_keys = [k for k in saved if ".lora_A." in k]
+    assert a_keys and sorted(final) == sorted(saved)
+    assert max((final[k] - saved[k]).abs().max().item() for k in a_keys) < 0.02
     from peft import PeftModel
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     merged = load_file(os.path.join(out, "model.safetensors"))
