@@ -161,10 +161,11 @@ def test_colocated_lora_engine_that_keeps_an_old_adapter_fails_the_probe(toy_mod
 
 
 @pytest.mark.slow
-def test_lora_prefix_cache_never_crosses_adapter_versions(toy_model_dir, tmp_path):
+def test_lora_prefix_cache_never_crosses_adapter_versions_and_requests_keep_theirs(toy_model_dir, tmp_path):
     """The same prompt under the same cache salt: computed again on another adapter version (vLLM's block hash
     holds the adapter's name and path, and each version has its own, EngineWeights.load_adapter), reused from the
-    cache on the same version (the control)."""
+    cache on the same version (the control). A request keeps the adapter it started on and its tokens that version;
+    unused versions are removed from the engine and disk."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
@@ -194,6 +195,25 @@ def test_lora_prefix_cache_never_crosses_adapter_versions(toy_model_dir, tmp_pat
         assert cached_tokens("c", second) == 0  # another version: computed again
         actor.weights.remove_unused_adapters()  # nothing runs: every version but the newest goes
         assert list(actor.weights.adapters) == [1] and not os.path.exists(first.lora_path)
+
+        # Inflight: a group admitted on version 1 keeps adapter 1 while version 2 loads mid-generation, every token
+        # records version 1 (vLLM's own labels would say 2 for the later ones), and version 1 goes once it finished.
+        emitted = []
+        actor.emit, actor.version = emitted.append, 1
+        actor.meter.start(1e12, 1e11)
+        actor._admit({"kind": "train", "index": 0, "prompt_ids": prompt[:16], "n": 2})
+        actor._step_engine()  # prefill and the first token, on version 1
+        actor.weights.load_adapter(2, {"config": model.peft_config["default"],
+                                       "tensors": grpo.adapter_state(model, torch.float32)})
+        actor.version = 2
+        actor.weights.remove_unused_adapters()
+        assert sorted(actor.weights.adapters) == [1, 2]  # version 1 still runs
+        while not emitted:
+            actor._step_engine()
+        samples = emitted[0]["group"]["samples"]
+        assert [s["versions"] for s in samples] == [[1] * 4, [1] * 4], samples
+        actor.weights.remove_unused_adapters()
+        assert list(actor.weights.adapters) == [2]
     finally:
         actor.shutdown()
     assert not os.listdir(tmp_path)  # the engine's adapter directory goes with it
