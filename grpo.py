@@ -190,7 +190,7 @@ class Args:
     lora_alpha: float = field(default=32.0, metadata={
         "help": "LoRA alpha; the update is scaled by alpha / rank (prime-rl and TRL's RL recipe: 32)."})
     lora_dropout: float = field(default=0.0, metadata={
-        "help": "Dropout on the adapter's input (prime-rl, TRL's RL recipe: 0; the probe needs 0 to match)."})
+        "help": "Dropout on the adapter's input (default 0: vLLM has none; the probe runs without it)."})
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
         "help": "Modules that get an adapter ('all-linear': every linear layer but the LM head, as TRL, prime-rl "
                 "and AReaL do)."})
