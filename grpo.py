@@ -3649,7 +3649,8 @@ UNSUPPORTED_FLAGS = {
     "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
                         "(engines = world size - num_learners)",
     "weight_dir": "not needed any more: weight updates stream from learner 0 straight into the engines' workers; "
-                  "nothing is staged on disk or in /dev/shm",
+                  "nothing is staged on disk or in /dev/shm (with --lora_rank each engine keeps its adapter "
+                  "versions in --lora_dir)",
     "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
     "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
     "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),
