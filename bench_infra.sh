@@ -12,6 +12,9 @@
 # with a tool call of TOOL_LATENCY_S seconds between two (results appended, the sequence continued, as in a
 # real tool episode); the report gives its generated tokens/s and occupancy beside the no-tool run's:
 #   CONFIGS="continuous_inflight tools_inflight" bash bench_infra.sh
+# and lora_inflight: the third one training a LoRA adapter (--lora_rank LORA_RANK): only the adapter goes to the
+# engines; the report gives its bytes and seconds per update, step time and generated tokens/s beside the full run's:
+#   CONFIGS="continuous_inflight lora_inflight" bash bench_infra.sh
 # Columns: generated tokens/s, learner tokens/s, trained (kept) tokens/s, steps, mean step time, learner steps/min, actor MFU
 # and MBU (weights counted once per engine step, never once per sequence), actor engine occupancy, time the
 # actors waited for weights, time the learner waited for data, the static batch's wasted-compute
@@ -108,6 +111,7 @@
 #   EXTRA_ARGS            more grpo.py flags, the same for every configuration
 #   TOOL_LATENCY_S        tools_inflight: seconds per tool call (default 1)
 #   TOOL_TURNS            tools_inflight: tool calls per request (default 2)
+#   LORA_RANK             lora_inflight: the adapter's rank (default 16)
 #   RESULTS_DIR           (default results/bench_infra_<UTC timestamp>)
 #   CACHE_DIR             where the toy model and data are built (default results/.bench_infra_cache)
 #   PYTHON                (default .venv/bin/python if present, else python3)
@@ -136,7 +140,8 @@ report() {
 import json, math, os, sys
 
 out_dir = sys.argv[1]
-ORDER = ["static_drained", "continuous_drained", "continuous_inflight", "colocated_inflight", "tools_inflight"]
+ORDER = ["static_drained", "continuous_drained", "continuous_inflight", "colocated_inflight", "tools_inflight",
+         "lora_inflight"]
 TARGETS = {"continuous_vs_static_gen": 1.5, "inflight_vs_drained_steps_per_min": 1.3, "occupancy_inflight": 0.90,
            "weight_sync_share_of_step": 0.10, "stale_groups_dropped": 0, "kept_length_spread": 0.05}
 
@@ -192,6 +197,10 @@ def read_run(name):
         # the update's parts: learner 0 gathering and packing, its stream to the engines (waits for them
         # included), and the engines' own loading (mean per update and engine)
         **{f"mean_weight_{k}_s": s.get(f"mean_weight_{k}_s", float("nan")) for k in ("gather", "transfer", "load")},
+        # what one update moves to each engine: every weight, or the LoRA adapter alone
+        "update_mb": (sum(r["sync/update_bytes"] for r in steps if "sync/update_bytes" in r)
+                      / max(1, sum("sync/update_bytes" in r for r in steps)) / 1e6
+                      if any("sync/update_bytes" in r for r in steps) else float("nan")),
         "groups_dropped_stale": sum(r.get("rollout/groups_dropped_stale", 0) for r in steps),
         "token_lag_mean": sum(r.get("rollout/lag_mean", 0.0) for r in steps) / len(steps),
         "prompts_consumed": sum(r.get("rollout/prompts_consumed", 0) for r in steps),
@@ -264,6 +273,11 @@ if "continuous_inflight" in by and "tools_inflight" in by:  # what tool calls of
     context["occupancy_while_tools"] = by["tools_inflight"]["occupancy_while_tools"]
 if "continuous_inflight" in by and "colocated_inflight" in by:  # one process against the torchrun layout
     context["colocated_vs_torchrun_steps_per_min"] = by["colocated_inflight"]["learner_steps_per_min"] / max(by["continuous_inflight"]["learner_steps_per_min"], 1e-9)
+if "continuous_inflight" in by and "lora_inflight" in by:  # LoRA against full updates (LoRA kernels cost decode time)
+    full, lora = by["continuous_inflight"], by["lora_inflight"]
+    for key, col in (("bytes_per_update", "update_mb"), ("weight_sync_s", "mean_weight_sync_s"),
+                     ("mean_step_s", "mean_step_time_s"), ("gen_tokens_per_s", "generated_tokens_per_s")):
+        context[f"lora_vs_full_{key}"] = lora[col] / max(full[col], 1e-9)
 
 load = "not recorded"
 if os.path.exists(os.path.join(out_dir, "loadavg.txt")):
@@ -279,6 +293,9 @@ COLS = [("config", "config", "{}"), ("gen tok/s", "generated_tokens_per_s", "{:.
         ("load s", "mean_weight_load_s", "{:.3f}"),
         ("sync/step", "weight_sync_share_of_step", "{:.1%}"), ("token lag", "token_lag_mean", "{:.2f}"),
         ("stale groups dropped", "groups_dropped_stale", "{}")]
+
+if any(not math.isnan(r["update_mb"]) for r in rows):  # runs of this version record what each update moved
+    COLS.insert([k for _, k, _ in COLS].index("mean_weight_load_s") + 1, ("MB/update", "update_mb", "{:.2f}"))
 
 
 def fmt(f, v):
@@ -372,6 +389,7 @@ CONFIGS=${CONFIGS:-static_drained continuous_drained continuous_inflight}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 TOOL_LATENCY_S=${TOOL_LATENCY_S:-1}
 TOOL_TURNS=${TOOL_TURNS:-2}
+LORA_RANK=${LORA_RANK:-16}
 RESULTS_DIR=${RESULTS_DIR:-results/bench_infra_$(date -u +%Y%m%d_%H%M%S)}
 CACHE_DIR=${CACHE_DIR:-results/.bench_infra_cache}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} TOKENIZERS_PARALLELISM=false
@@ -468,6 +486,7 @@ for name in $CONFIGS; do
         colocated_inflight)  FLAGS=(--batching continuous --inflight_updates true) ;;
         tools_inflight)      FLAGS=(--batching continuous --inflight_updates true
                                     --bench_tool_latency_s "$TOOL_LATENCY_S" --bench_tool_turns "$TOOL_TURNS") ;;
+        lora_inflight)       FLAGS=(--batching continuous --inflight_updates true --lora_rank "$LORA_RANK") ;;
         *) echo "unknown configuration '$name' in CONFIGS" >&2; exit 2 ;;
     esac
     out=$RESULTS_DIR/$name

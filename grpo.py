@@ -51,6 +51,11 @@ the two in step):
         --gradient_checkpointing ...
 
 Outputs in `output_dir`: the final model (HF layout), metrics.jsonl, summary.json, checkpoints/step_N.
+
+LoRA (`--lora_rank 16`): the learner trains a peft adapter over the frozen model and each update sends the adapter
+alone; every engine loads it through vLLM's add_lora under a name of its own per policy version, so a request keeps
+the adapter it started on (its tokens carry that version) and the prefix cache never mixes versions
+(EngineWeights.load_adapter). Checkpoints hold the adapter; output_dir the merged model, output_dir/adapter the adapter.
 """
 
 from __future__ import annotations
@@ -178,6 +183,20 @@ class Args:
         "help": "Drop a group with any token more than N versions old when consumed (0: never)."})
     max_prompts_per_step_factor: int = field(default=20, metadata={
         "help": "Active sampling gives up (logged) after this many x num_unique_prompts_per_step prompts."})
+    # ---- LoRA (peft): the learner trains an adapter over frozen base weights; only the adapter goes to the engines
+    lora_rank: int = field(default=0, metadata={
+        "help": "LoRA rank (0: off, full RL). Seen in RL: 16 (prime-rl), 1 (TRL's 'LoRA without regret' RL recipe), "
+                "32 (AReaL)."})
+    lora_alpha: float = field(default=32.0, metadata={
+        "help": "LoRA alpha; the update is scaled by alpha / rank (prime-rl and TRL's RL recipe: 32)."})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "Dropout on the adapter's input (default 0: vLLM has none; the probe runs without it)."})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "Modules that get an adapter ('all-linear': every linear layer but the LM head, as TRL, prime-rl "
+                "and AReaL do)."})
+    # Each engine writes the adapters it receives here, on its own node (a RAM disk: vLLM loads adapters from files)
+    lora_dir: str = field(default="/dev/shm", metadata={
+        "help": "Where engines keep the adapter versions they serve (removed once no request uses them)."})
     # ---- system
     num_learners: int = field(default=1, metadata={
         "help": "torchrun ranks [0, N) learn; the rest are actors (ignored with one process)."})
@@ -739,7 +758,7 @@ class ToolEpisodes:
         """A turn of a tool episode finished. Calls in it run (ToolRunner) unless the episode is out of turns or
         tokens or the call closed with eos; a turn without a call is the answer, and the episode ends."""
         actor = self.actor
-        st["versions"] += actor.token_versions(c, len(st["tokens"]) - st["turn_start"])
+        st["versions"] += actor.token_versions(c, len(st["tokens"]) - st["turn_start"], st)
         del actor.pending[rid]
         calls = None
         if c.finish_reason == "stop" and len(st["tokens"]) < self.args.max_response_length:
@@ -797,7 +816,7 @@ class ToolEpisodes:
             rid = f"{st['rid']}-turn{st['turns']}"
             actor.pending[rid] = st
             actor.add_request(rid, list(meta["prompt_ids"]) + st["tokens"], st["salt"],
-                              actor._sampling_params(meta, st["j"], max_tokens=left - len(ids)))
+                              actor._sampling_params(meta, st["j"], max_tokens=left - len(ids)), st["adapter"])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -824,6 +843,8 @@ class Actor:
             # start when the page cache holds more than 8% of it: 1 GiB, unless VLLM_CPU_KVCACHE_SPACE says.
             kwargs = ({"kv_cache_memory_bytes": 1 << 30} if device == "cpu" else
                       {"gpu_memory_utilization": memory_share or args.vllm_gpu_memory_utilization})
+            if args.lora_rank:
+                kwargs.update(engine_lora_options(args, model_path))
             self.llm = LLM(model=model_path, dtype=self.dtype, seed=args.seed + actor_id,
                            enforce_eager=args.enforce_eager,
                            max_model_len=args.max_prompt_length + args.max_response_length,
@@ -837,6 +858,7 @@ class Actor:
         self.engine = self.llm.llm_engine
         self.llm.collective_rpc("grpo_watch_owner", args=(os.getpid(),))
         self.version = None  # the learner version the engine's weights come from
+        self.adapter = None  # --lora_rank: the LoRARequest of `version`'s adapter, which new requests start on
         self.meter = EngineMeter(self.engine.model_config.hf_config, self.dtype, args.max_num_seqs,
                                  device if device == "cpu" else "cuda")
         self.stats = self.meter.stats  # this engine's counts since the last group it emitted
@@ -873,14 +895,15 @@ class Actor:
                               ignore_eos=prompt.get("ignore_eos", False), logprobs=0, stop_token_ids=stop,
                               output_kind=RequestOutputKind.DELTA)
 
-    def add_request(self, rid: str, token_ids: list[int], cache_salt: str, params):
+    def add_request(self, rid: str, token_ids: list[int], cache_salt: str, params, adapter=None):
         """A request of token ids, through vLLM 0.32's supported input path: the prompt rendered by its Renderer
-        (render_cmpl) and the result handed to add_request (raw prompts there are deprecated)."""
+        (render_cmpl) and the result handed to add_request (raw prompts there are deprecated). With LoRA, on
+        `adapter` (default: the newest one's), which it keeps to its end (EngineWeights.load_adapter)."""
         from vllm import TokensPrompt
 
         (engine_input,) = self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=token_ids,
                                                                       cache_salt=cache_salt)])
-        self.engine.add_request(rid, engine_input, params)
+        self.engine.add_request(rid, engine_input, params, lora_request=adapter or self.adapter)
 
     def _admit(self, prompt: dict):
         gid = f"{prompt['kind']}-{prompt['index']}"
@@ -894,7 +917,8 @@ class Actor:
         for j in range(prompt["n"]):
             rid = f"{gid}-{j}"
             self.pending[rid] = {"group": gid, "j": j, "tokens": [], "logprobs": [],
-                                 "prompt_len": len(prompt["prompt_ids"]), "turn_start": 0}
+                                 "prompt_len": len(prompt["prompt_ids"]), "turn_start": 0,
+                                 "version": self.version, "adapter": self.adapter}
             if prompt.get("tools"):  # a tool episode: what ToolEpisodes needs
                 self.pending[rid].update(rid=rid, salt=salt, mask=[], versions=[], turns=0, calls=0)
             self.add_request(rid, prompt["prompt_ids"], salt, self._sampling_params(prompt, j))
@@ -925,11 +949,16 @@ class Actor:
                 self.tools.end_turn(out.request_id, st, c)
             elif out.finished:
                 del self.pending[out.request_id]
-                self.finish_sample(st, c.finish_reason, self.token_versions(c, len(st["tokens"])))
+                self.finish_sample(st, c.finish_reason, self.token_versions(c, len(st["tokens"]), st))
         self.meter.engine_steps(prefill, decode_ctx, steps)
+        if len(self.weights.adapters) > 1:
+            self.weights.remove_unused_adapters()
 
-    def token_versions(self, c, n: int) -> list[int]:
-        """The policy version of each of a request's n tokens: vLLM labels token spans with set_weight_version()."""
+    def token_versions(self, c, n: int, st: dict) -> list[int]:
+        """The policy version of each of a request's n tokens: vLLM labels token spans with set_weight_version().
+        LoRA: the version of the adapter the request (the episode) started on, which it keeps to its end."""
+        if self.args.lora_rank:
+            return [st["version"]] * n
         versions = [self.version] * n
         for span in c.weight_versions or []:
             for i in range(span.start, min(span.end, n)):
@@ -1034,6 +1063,7 @@ class Actor:
         self.stop.set()
         with contextlib.suppress(Exception):
             self.engine.engine_core.shutdown()
+        remove_adapter_roots()
 
 
 def kill_stalled_engine(rank: int, actor_id: int, busy: float, timeout_s: float) -> str:
@@ -1066,7 +1096,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     # stream's rendezvous only once every engine said so (WeightClient.wait_for_engines), so no engine's start time
     # counts against vLLM's fixed store limit.
     send_obj({"ready": rank}, learner0, groups["data"], args.startup_timeout_s)
-    actor.weights.join(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
+    if not args.lora_rank:  # LoRA: adapters travel as files vLLM loads (EngineWeights.load_adapter), no stream
+        actor.weights.join(broadcast_obj(None, learner0, groups["weights"], args.startup_timeout_s)["init_info"])
     errors = []
 
     def guarded(fn):
@@ -1112,6 +1143,7 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
                 what = kill_stalled_engine(rank, actor.actor_id, busy, args.timeout_s) + (
                     f"; and {errors[0]}" if errors else "")
                 print(f"[actor rank {rank}] FATAL: {what}", file=sys.stderr, flush=True)
+                remove_adapter_roots()
                 if threads[1].is_alive():  # the data thread owns the link to learner 0: it sends the error
                     outbox.put({"error": what})
                     outbox.put(None)
@@ -1408,6 +1440,7 @@ def sync_weights(args: Args, policy: Policy, layout: Layout, transfer, probe_ids
     probe = None
     if layout.is_main or num_learners > 1:
         ids = broadcast_list(probe_ids, groups["learners"], args.timeout_s) if num_learners > 1 else probe_ids
+        policy.model.eval()  # no dropout (LoRA's): the engine has none; train_on sets train mode again
         with torch.no_grad():
             batch = collate_bin([{"prompt_ids": ids[:1], "response_ids": ids[1:], "advantage": 0.0,
                                   "sampling_logprobs": [0.0] * (len(ids) - 1)}])
@@ -1421,9 +1454,16 @@ def sync_weights(args: Args, policy: Policy, layout: Layout, transfer, probe_ids
     elif full:  # each gather is a collective of all learners
         transfer.send_weights()
     gather = transfer.source.seconds
-    times = ({"gather": gather, "drain": drain, "transfer": time.perf_counter() - t_send - gather - drain}
-             if full and layout.is_main else {})
+    times = ({"gather": gather, "drain": drain, "transfer": time.perf_counter() - t_send - gather - drain,
+              "bytes": update_bytes(policy, transfer)} if full and layout.is_main else {})
     return dict(times, sync=time.perf_counter() - t)
+
+
+def update_bytes(policy: Policy, transfer) -> int:
+    """The bytes one weight update moves to each engine: the adapter's (LoRA) or every weight in the training dtype."""
+    if isinstance(transfer, AdapterTransfer):
+        return transfer.bytes
+    return sum(p.numel() for p in policy.model.parameters()) * policy.wire_dtype.itemsize
 
 
 class WeightClient:
@@ -1525,6 +1565,28 @@ class WeightClient:
         return drain_s
 
 
+ADAPTER_ROOTS = []  # LoRA: this process's engines' adapter directories
+
+
+def remove_adapter_roots():
+    """LoRA: delete this process's engines' adapter directories (on a RAM disk by default), whatever the exit."""
+    for root in ADAPTER_ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_dead_adapter_roots(lora_dir: str):
+    """LoRA: delete the adapter directories of engines whose process is gone (a killed run's, kept on the RAM disk)."""
+    for name in os.listdir(lora_dir) if os.path.isdir(lora_dir) else []:
+        parts = name.split("-")
+        if name.startswith("grpo-adapters-") and len(parts) == 4 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(lora_dir, name), ignore_errors=True)
+            except PermissionError:  # alive, another user's
+                pass
+
+
 class EngineWeights:
     """An actor's end of the weight updates, called by its engine loop between two engine steps: it makes learner
     0's calls on the engine's LLM (vLLM's weight-transfer protocol), holds admission while an update waits, tells
@@ -1537,6 +1599,11 @@ class EngineWeights:
         self.probe = None  # (request id, learner probe logprobs, version, probe ids) while a probe runs
         self.wants = None  # drained updates: the version whose successor this engine asked for (ask)
         self.drained = None  # drained updates: the version it last drained for, told learner 0
+        self.adapters = {}  # LoRA: version -> its LoRARequest, loaded in the engine and not removed yet
+        self.adapter_root = os.path.join(actor.args.lora_dir, f"grpo-adapters-{os.getpid()}-{actor.actor_id}")
+        ADAPTER_ROOTS.append(self.adapter_root)  # removed at exit, failed runs' too (remove_adapter_roots)
+        if actor.args.lora_rank:
+            remove_dead_adapter_roots(actor.args.lora_dir)
 
     def join(self, init_info: dict):
         """vLLM's init_weight_transfer_engine: this engine's workers join learner 0's weight stream as ranks
@@ -1577,7 +1644,11 @@ class EngineWeights:
         only. Inflight: running requests and their KV cache stay; the scheduler pause only makes vLLM's per-token
         version labels exact."""
         actor, t = self.actor, time.perf_counter()
-        if "update_info" in update:
+        if "adapter" in update.get("update_info", {}):
+            self.load_adapter(update["version"], update["update_info"]["adapter"])
+            actor.stats["weight_load_s"] += time.perf_counter() - t
+            actor.stats["weight_loads"] += 1
+        elif "update_info" in update:
             actor.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
             try:
                 actor.llm.start_weight_update()
@@ -1595,6 +1666,40 @@ class EngineWeights:
         actor.stats["updates"] += 1
         if update.get("probe_ids"):
             self.start_probe(update["probe_ids"], update["probe_logprobs"], update["version"])
+
+    def load_adapter(self, version: int, adapter: dict):
+        """LoRA: the adapter of policy `version` (peft's format) written to its own directory (a temporary one,
+        renamed once complete) and loaded through vLLM's public path (add_lora) under its own name and id. Requests
+        started before keep their adapter to their end (vLLM binds a request to its LoRARequest), and the prefix
+        cache never mixes versions (vLLM's block hash includes the adapter's name and path). Not vLLM's
+        `load_inplace`, which would switch running requests mid-sequence with no record of where. Versions no
+        request uses any more are removed (remove_unused_adapters)."""
+        from vllm.lora.request import LoRARequest
+
+        actor = self.actor
+        skip_from = os.environ.get("GRPO_TEST_SKIP_ADAPTER_LOAD")  # TEST ONLY: from this version on, loads never happen
+        if skip_from and version >= int(skip_from) and self.adapters:  # (the engine keeps serving an older adapter)
+            return
+        name = f"policy-{version}"
+        path, tmp = os.path.join(self.adapter_root, name), os.path.join(self.adapter_root, f".tmp-{name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_adapter(tmp, adapter["config"], adapter["tensors"])
+        shutil.rmtree(path, ignore_errors=True)  # the same version again (the initial update after a resume)
+        os.rename(tmp, path)
+        request = LoRARequest(name, version + 1, path)  # vLLM's ids start at 1
+        if not actor.engine.add_lora(request):
+            raise RuntimeError(f"actor {actor.actor_id}: vLLM did not load the adapter of version {version} ({path})")
+        self.adapters[version] = actor.adapter = request
+
+    def remove_unused_adapters(self):
+        """LoRA: remove from the engine, and delete, every adapter version older than the newest that no request
+        (nor a tool episode between turns) runs on any more."""
+        actor = self.actor
+        used = {st["version"] for st in list(actor.pending.values()) + list(actor.in_tools.values())}
+        for version in [v for v in self.adapters if v not in used and self.adapters[v] is not actor.adapter]:
+            request = self.adapters.pop(version)
+            actor.engine.remove_lora(request.lora_int_id)
+            shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def ask(self):
         """Departure (drained updates): an engine that must drain to load asks for new weights only when it
@@ -1643,6 +1748,8 @@ def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | Non
     if layout.is_main:
         client.wait_for_engines(args.startup_timeout_s)
         address = transfer_address(layout.world_size)
+    if args.lora_rank:
+        return AdapterTransfer(policy, client)
     if weight_backend(layout.device) == "nccl":
         if layout.is_main:
             from vllm.utils.network_utils import get_open_port
@@ -1654,6 +1761,93 @@ def weight_transfer(args: Args, policy: Policy, layout: Layout, link: Link | Non
                                    rank=layout.rank)
     return WeightTransferTrainerFactory.trainer_init(info, client=client,
                                                      source=WireWeights(policy.model, policy.wire_dtype))
+
+
+class AdapterTransfer:
+    """--lora_rank: the weight transfer of the adapter alone, with the calls the learners make on vLLM's trainer
+    engine (send_weights, source.seconds, shutdown). The base weights never travel: every engine loaded them from
+    the model at start. Learner 0 sends an update's adapter tensors (peft's names, the training dtype) on the same
+    bounded control plane as a full update's calls (WeightClient, one message), and each engine writes them as a
+    peft directory on its own node and loads it through vLLM's public path (EngineWeights.load_adapter): no shared
+    filesystem needed, and no patch of vLLM's private LoRA manager for in-memory adapters."""
+    receives_in_background = True  # the adapter goes in the message of finish_weight_update
+
+    def __init__(self, policy: Policy, client: WeightClient | None):
+        self.policy, self.client = policy, client
+        self.source, self.seconds, self.bytes = self, 0.0, 0  # sync_weights times source.seconds: the gather
+
+    def send_weights(self):
+        """ALL learners (with FSDP2 each adapter tensor's gather is a collective); learner 0 sends the adapter."""
+        t = time.perf_counter()
+        tensors = adapter_state(self.policy.model, self.policy.wire_dtype)
+        self.seconds += time.perf_counter() - t
+        if self.client is not None:
+            self.bytes = sum(v.numel() * v.element_size() for v in tensors.values())
+            self.client.update_weights({"adapter": {"config": self.policy.model.peft_config["default"],
+                                                    "tensors": tensors}})
+            self.client.finish_weight_update()
+
+    def shutdown(self):
+        pass
+
+
+def adapter_state(model, dtype: torch.dtype) -> dict:
+    """ALL learners: the LoRA adapter's tensors under peft's saved names, on CPU in `dtype` (copies: the learner
+    trains on). With FSDP2 each tensor's gather (full_tensor) is a collective, in the same order on every learner."""
+    from peft import get_peft_model_state_dict
+
+    live = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    full = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", dtype, copy=True)
+            for name, p in live.items()}
+    return get_peft_model_state_dict(model, state_dict=full)
+
+
+def write_adapter(path: str, config, tensors: dict) -> None:
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors), as PeftModel.save_pretrained
+    writes it and vLLM and peft load it."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+
+
+def engine_lora_options(args: Args, model_path: str) -> dict:
+    """vLLM's LoRA settings for --lora_rank. max_lora_rank: the smallest rank vLLM offers that holds it.
+    max_loras (adapters a batch may mix): one per policy version a running request may still be on, async_steps + 1,
+    plus the probe's newest: async_steps + 2 (TRL's async trainer sizes it so too); a request on an older one waits
+    for a slot. lora_target_modules: the adapter's modules (lora_module_names), so that vLLM leaves the LM head
+    unwrapped: vLLM 0.32's LoRA logits processor fails on prompt logprobs (the probe) batched with other requests
+    (its einsum sizes one row per request against one per prompt token), on native models such as Llama."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    ranks = [r for r in typing.get_args(MaxLoRARanks) if r >= args.lora_rank]
+    if not ranks:
+        raise SystemExit(f"--lora_rank {args.lora_rank}: vLLM serves ranks up to {max(typing.get_args(MaxLoRARanks))}")
+    return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": args.async_steps + 2,
+            "lora_target_modules": lora_module_names(args, model_path)}
+
+
+def lora_module_names(args: Args, model_path: str) -> list[str]:
+    """The module names --lora_target_modules puts adapters on: 'all-linear' as peft resolves it (every linear
+    layer's name but the output layer's), on the model built on the meta device. The LM head is refused (see
+    engine_lora_options)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = next(name for name, m in model.named_modules() if m is model.get_output_embeddings()).rsplit(".", 1)[-1]
+    if args.lora_target_modules != ["all-linear"]:
+        names = list(args.lora_target_modules)
+    else:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)} - {head})
+    if head in names:
+        raise SystemExit(f"--lora_target_modules {head}: an adapter on the LM head is not supported (vLLM's LoRA "
+                         "logits processor fails on the probe's prompt logprobs)")
+    return names
 
 
 def transfer_address(world_size: int) -> str:
@@ -1938,9 +2132,10 @@ class Policy:
         return torch.bfloat16 if self.bf16 else torch.float32
 
 
-def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
+def load_policy(args: Args, model_path: str, layout: Layout, adapter_from: str | None = None) -> Policy:
     """The model (FSDP2-sharded over several learners), the reference, AdamW and the lr schedule, after
-    the memory plan says they fit (else a clear error naming the knobs)."""
+    the memory plan says they fit (else a clear error naming the knobs). With --lora_rank: the frozen base from
+    `model_path` and a peft adapter, new or `adapter_from`'s (a checkpoint); AdamW holds the adapter only."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device, num_learners = layout.device, layout.num_learners
@@ -1954,8 +2149,8 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
     # engine: batched rows trained 30% slower there (4.5 s against 3.4 s a step, toy model, 32 samples).
     forward_tokens = args.forward_tokens or (pack_length if device == "cpu" else max(pack_length, 16384))
     config = AutoConfig.from_pretrained(model_path)
-    plan = memory_plan(config, forward_tokens, 1, num_learners, bf16,
-                       args.gradient_checkpointing, args.logprob_chunk_size, flash_attention=flash)
+    plan = memory_plan(config, forward_tokens, 1, num_learners, bf16, args.gradient_checkpointing,
+                       args.logprob_chunk_size, trained=args.lora_rank == 0, flash_attention=flash)
     if args.beta > 0:  # the frozen reference: fp32, unsharded, on every learner
         plan["reference"] = plan["weights"] * num_learners
         plan["total"] += plan["reference"]
@@ -1978,6 +2173,8 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
     install_chunked_head(model, args.logprob_chunk_size)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_rank:
+        model = add_adapter(args, model, adapter_from)
     ref_model = None
     if args.beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32,
@@ -1991,16 +2188,30 @@ def load_policy(args: Args, model_path: str, layout: Layout) -> Policy:
         mesh = DeviceMesh(device.split(":")[0], list(range(num_learners)))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
-        for layer in model.model.layers:
+        base = model.get_base_model() if args.lora_rank else model
+        for layer in base.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=bf16 and num_learners == 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
+    optimizer = torch.optim.AdamW(trained, lr=args.learning_rate, weight_decay=args.weight_decay)
     updates = args.num_training_steps * args.num_mini_batches * args.num_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 1.0 if args.lr_scheduler_type == "constant" else max(0.0, 1.0 - s / max(1, updates)))
     return Policy(tokenizer, model, ref_model, optimizer, scheduler, autocast, bf16, pack_length, forward_tokens,
                   engine_share)
+
+
+def add_adapter(args: Args, model, adapter_from: str | None):
+    """--lora_rank: the model frozen under a peft LoRA adapter, a new one (B = 0: the policy starts as the base
+    model) or the one saved in `adapter_from` (a checkpoint, trainable)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_from:
+        return PeftModel.from_pretrained(model, adapter_from, is_trainable=True)
+    targets = "all-linear" if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
+    return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                            target_modules=targets, task_type="CAUSAL_LM"))
 
 
 # What a GPU holds beside the learner's plan and the engine's share: two CUDA contexts (learner and engine processes,
@@ -2393,7 +2604,7 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
 
     datasets.disable_progress_bars()
     is_main, num_learners, groups = layout.is_main, layout.num_learners, layout.groups
-    policy = load_policy(args, model_path, layout)
+    policy = load_policy(args, model_path, layout, adapter_from=latest if args.lora_rank else None)
     start_step, position = restore_training_state(latest, policy, num_learners) if latest else (0, 0)
     link = local_actor = dispatcher = rollouts = logger = pool = train_ds = eval_ds = probe_ids = None
     if is_main:
@@ -2413,7 +2624,8 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
         logger = MetricsLogger(args, append=latest is not None)
     transfer = weight_transfer(args, policy, layout, link)
     version = start_step
-    sync_weights(args, policy, layout, transfer, probe_ids, version, full=False)  # the engines loaded model_path
+    # the engines loaded model_path; LoRA: they load the adapter now (new: B = 0, the base model; or the checkpoint's)
+    sync_weights(args, policy, layout, transfer, probe_ids, version, full=bool(args.lora_rank))
     if is_main:
         dispatcher = Dispatcher(args, train_ds, link, layout.num_actors, position, version)
         dispatcher.start()
@@ -2458,6 +2670,7 @@ def learner(args: Args, layout: Layout, latest: str | None, model_path: str) -> 
                             "sync/streamed": int(streams),
                             "time/save": save_time,
                             **{f"time/weight_{k}": sync[k] for k in ("gather", "drain", "transfer") if k in sync},
+                            **({"sync/update_bytes": sync["bytes"]} if "bytes" in sync else {}),
                             "perf/learner_tokens_per_s": learner_tokens / max(train_time, 1e-9)})
             totals.update({"steps": 1, "step_time": step_time, "data_wait": metrics["time/data_wait"],
                            "learner_tokens": learner_tokens, "train_time": train_time, "sync_time": sync["sync"],
@@ -2475,10 +2688,16 @@ def finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, ro
     """The final model in output_dir (HF layout, as sft.py and dpo.py leave it: the next stage points
     here), then on learner 0 the final evaluation, the summary, and shutdown."""
     t = time.perf_counter()
-    final_state = gather_full_state(policy.model, layout.num_learners)  # collective with several learners
+    if args.lora_rank:  # collective with several learners
+        final_state = adapter_state(policy.model, torch.float32)
+    else:
+        final_state = gather_full_state(policy.model, layout.num_learners)
     if not layout.is_main:
         return
-    save_final_model(args, policy.model, policy.tokenizer, final_state, policy.bf16)
+    if args.lora_rank:
+        save_final_adapter(args, policy, final_state)
+    else:
+        save_final_model(args, policy.model, policy.tokenizer, final_state, policy.bf16)
     print(f"[grpo] saved the final model ({'bf16' if policy.bf16 else 'fp32'}) to {args.output_dir} "
           f"in {time.perf_counter() - t:.1f}s", flush=True)
     del final_state
@@ -2509,6 +2728,8 @@ def main():
     if args.response_length_sampler == "exponential" and args.response_length_mean <= 0:
         raise ValueError("--response_length_sampler exponential needs --response_length_mean > 0")
     check_output_dir(args.output_dir, args.resume, args.overwrite_output_dir, int(os.environ.get("RANK", 0)) == 0)
+    if args.lora_rank:  # a bad --lora_target_modules stops every rank now, not the engines once started
+        lora_module_names(args, args.model_name_or_path)
 
     # ---------------------------------------------------------------------------------------------
     # Distributed setup plus the role split
@@ -2551,7 +2772,11 @@ def main():
             groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
         groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
     latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
-    model_path = latest or args.model_name_or_path
+    if latest and args.lora_rank != 0 and not os.path.isfile(os.path.join(latest, "adapter_config.json")) or (
+            latest and args.lora_rank == 0 and not os.path.isfile(os.path.join(latest, "config.json"))):
+        raise SystemExit(f"--resume: {latest} holds a {'full model' if args.lora_rank else 'LoRA adapter'}; resume "
+                         f"with the --lora_rank it was trained with")
+    model_path = args.model_name_or_path if args.lora_rank else latest or args.model_name_or_path  # LoRA: the base
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -2565,6 +2790,7 @@ def main():
         try:
             run_actor_rank(args, rank, 0, groups, device, model_path, cores, gpus)
         except KeyboardInterrupt:
+            remove_adapter_roots()
             os._exit(130)
         except Exception:
             traceback.print_exc()
@@ -2583,6 +2809,7 @@ def main():
         print(f"[rank {rank}] FATAL: {e}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    remove_adapter_roots()  # a colocated engine's
     os._exit(status)  # threads blocked in gloo or in vLLM must not keep the process alive
 
 
@@ -3389,12 +3616,27 @@ def save_final_model(args, model, tokenizer, state: dict, bf16: bool) -> None:
     tokenizer.save_pretrained(args.output_dir)
 
 
+def save_final_adapter(args, policy: Policy, adapter: dict) -> None:
+    """LoRA: the adapter (peft directory) in output_dir/adapter, and base + adapter merged as the final model in
+    output_dir (save_final_model), where the next stage points. Merged once, here, on CPU from the fp32 base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = os.path.join(args.output_dir, "adapter")
+    write_adapter(adapter_dir, policy.model.peft_config["default"], adapter)
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    save_final_model(args, merged, policy.tokenizer, merged.state_dict(), policy.bf16)
+
+
 def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position, is_main, num_learners, groups,
                     protect=None):
-    """HF directory + tokenizer + training_state.pt, written to a temporary directory, fsynced and renamed
-    (publish_checkpoint), so a crash mid-write never leaves a half checkpoint behind as the latest one.
-    Then all but the newest --keep_last_n_checkpoints go, never `protect` (the one this run resumed from)."""
-    state = gather_full_state(model, num_learners)
+    """HF directory (LoRA: the peft adapter's) + tokenizer + training_state.pt, written to a temporary directory,
+    fsynced and renamed (publish_checkpoint), so a crash mid-write never leaves a half checkpoint behind as the
+    latest one. Then all but the newest --keep_last_n_checkpoints go, never `protect` (the one this run resumed
+    from)."""
+    lora = args.lora_rank > 0
+    state = adapter_state(model, torch.float32) if lora else gather_full_state(model, num_learners)
     if num_learners == 1:
         opt_state = optimizer.state_dict()
     else:
@@ -3408,7 +3650,10 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
     name, tmp = f"step_{step}", os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    model.save_pretrained(tmp, state_dict=state)
+    if lora:
+        write_adapter(tmp, model.peft_config["default"], state)
+    else:
+        model.save_pretrained(tmp, state_dict=state)
     tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": opt_state, "scheduler": scheduler.state_dict(), "step": step, "sampler_position": position,
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
@@ -3439,7 +3684,8 @@ UNSUPPORTED_FLAGS = {
     "vllm_num_engines": "the number of actor ranks: every torchrun rank from --num_learners on runs one vLLM engine "
                         "(engines = world size - num_learners)",
     "weight_dir": "not needed any more: weight updates stream from learner 0 straight into the engines' workers; "
-                  "nothing is staged on disk or in /dev/shm",
+                  "nothing is staged on disk or in /dev/shm (with --lora_rank each engine keeps its adapter "
+                  "versions in --lora_dir)",
     "vllm_enable_prefix_caching": ({"", "true"}, "prefix caching is always on"),
     "per_device_train_batch_size": ({"1"}, "the learner trains one packed row of up to --pack_length tokens at a time"),
     "kl_estimator": ({"kl3", "2"}, "the KL penalty (--beta, Olmo 3: 0) uses the k3 estimator only"),

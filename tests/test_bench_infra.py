@@ -170,3 +170,21 @@ def test_one_short_real_run(toy_model_dir, tmp_path):
     assert all(m["tools/calls_per_episode"] == 2 and m["tools/turns_per_episode"] == 3 for m in steps)
     assert all(m["time/tools"] > 0 and m["tokens/appended"] > 0 for m in steps)
     assert 0 < row["occupancy_while_tools"] <= 1.0
+
+
+def test_report_puts_the_lora_run_beside_the_full_run(tmp_path):
+    """lora_inflight beside continuous_inflight: bytes per update (the column and the ratio), sync seconds, step
+    time and generated tokens/s, as context."""
+    _write_run(tmp_path, "continuous_inflight", _summary(200.0, 0.97, 6.0, 0.5),
+               [(4.0, 100, 200), (10.0, 100, 200), (16.0, 100, 200)], **{"sync/update_bytes": 500e6})
+    _write_run(tmp_path, "lora_inflight", _summary(150.0, 0.95, 5.0, 0.1),
+               [(4.0, 100, 200), (9.0, 100, 200), (14.0, 100, 200)], **{"sync/update_bytes": 20e6})
+    p = _report(tmp_path)
+    assert p.returncode == 0, p.stderr + p.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    context = res["context"]
+    assert context["lora_vs_full_bytes_per_update"] == pytest.approx(0.04)
+    assert context["lora_vs_full_weight_sync_s"] == pytest.approx(0.2)
+    assert context["lora_vs_full_mean_step_s"] == pytest.approx(5.0 / 6.0)
+    assert context["lora_vs_full_gen_tokens_per_s"] == pytest.approx(0.75)
+    assert "MB/update" in p.stdout and "500.00" in p.stdout and "20.00" in p.stdout
