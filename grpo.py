@@ -1412,7 +1412,8 @@ class Dispatcher(threading.Thread):
 # -------------------------------------------------------------------------------------------------
 # In order: whether a step sends (stream_now); the send (sync_weights, WeightClient: vLLM's four calls); the engines'
 # end (EngineWeights: the calls made between two engine steps, the probe); the handshake at the start
-# (weight_transfer); our gloo backend and the weights' source (WireWeights); code in vLLM's workers (WorkerExtension).
+# (weight_transfer); our gloo backend and the weights' source (WireWeights); with --lora_rank the adapter alone
+# (AdapterTransfer), loaded by vLLM's add_lora; code in vLLM's workers (WorkerExtension).
 # -------------------------------------------------------------------------------------------------
 def stream_now(args: Args, layout: Layout, client: WeightClient | None, version: int, evaluates: bool) -> bool:
     """ALL learners call this: does this step end with a weight update? Inflight updates: always. Drained
