@@ -13,8 +13,10 @@
 # constraint with its own that do not (Olmo 3's delta learning), then grpo.py's RL starts from the DPO model
 # (torchrun: one learner rank, one vLLM actor rank), as Olmo 3 Instruct went after SFT.
 # DEMO_SHORT=1 shrinks every stage to a smoke run (24 held-out prompts; its numbers say little): 17 minutes
-# on two CPU cores shared with other jobs. The full size has not been timed; it will not fit 30 minutes on two
-# cores as it stands (a DPO step of 2 pairs took 31-62 s and an RL step of 4 x 4 samples 105 s there).
+# on two CPU cores shared with other jobs. The full size does not fit 30 minutes on two cores as it stands: on an
+# idle machine the base model's evaluation took 609 s (84 s of it the engine's compile, without --enforce_eager),
+# the pairs 30 min (512 prompts x 4 samples; 122 pairs kept, 926 of 2,048 samples cut at 256 tokens), the DPO
+# reference pass 161 s and each of its 15 steps about 30 s; RL was not reached.
 # During RL, grpo.py evaluates the first 8 held-out prompts (full size: 32), 2 samples each, before the first
 # step and after the last (full size: every 5 steps): the report's plot of reward and held-out accuracy over RL
 # steps (rl_curves.png). Each of those evaluations took 27-29 s at smoke size on a loaded machine, not counted

@@ -430,7 +430,7 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
     start_s = time.perf_counter() - t0
 
     def texts(params):
-        return [c.text for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+        return [c.text for out in llm.generate(prompts, params, use_tqdm=True) for c in out.outputs]
 
     greedy = texts(SamplingParams(temperature=0.0, max_tokens=max_tokens))
     scored = score_responses(rows, greedy)
@@ -467,7 +467,7 @@ def sample_pairs(model_dir: str, rlvr_path: str, out_path: str, num_prompts: int
     llm = start_engine(model_dir, seed, enforce_eager)
     # no per-request seed: vLLM CPU 0.32 can fail with one ("CPU Generator does not use offset"); LLM(seed) seeds
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples)
-    outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=False)
+    outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=True)  # minutes at full size: a progress bar
     counts = collections.Counter()
     with open(out_path, "w") as f:
         for row, out in zip(rows, outputs):
