@@ -1643,22 +1643,13 @@ class EngineWeights:
         """Make learner 0's calls on the LLM: with `update_info`, start_weight_update, update_weights (the workers load
         the weights learner 0 sends them) and finish_weight_update with the version; without, update_weight_version
         only. Inflight: running requests and their KV cache stay; the scheduler pause only makes vLLM's per-token
-        version labels exact."""
+        version labels exact. With LoRA, `update_info` holds the adapter: load_adapter instead."""
         actor, t = self.actor, time.perf_counter()
-        if "adapter" in update.get("update_info", {}):
-            self.load_adapter(update["version"], update["update_info"]["adapter"])
-            actor.stats["weight_load_s"] += time.perf_counter() - t
-            actor.stats["weight_loads"] += 1
-        elif "update_info" in update:
-            actor.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
-            try:
-                actor.llm.start_weight_update()
-                actor.llm.update_weights({"update_info": update["update_info"]})
-                actor.llm.finish_weight_update(str(update["version"]))
-            except Exception as e:
-                raise RuntimeError(f"actor {actor.actor_id}: weight update after version {actor.version} failed; the "
-                                   f"engine is unusable now: {e}") from e
-            actor.engine.engine_core.call_utility("resume_scheduler")
+        if "update_info" in update:
+            if "adapter" in update["update_info"]:
+                self.load_adapter(update["version"], update["update_info"]["adapter"])
+            else:
+                self.load_weights(update)
             actor.stats["weight_load_s"] += time.perf_counter() - t
             actor.stats["weight_loads"] += 1
         else:
@@ -1667,6 +1658,19 @@ class EngineWeights:
         actor.stats["updates"] += 1
         if update.get("probe_ids"):
             self.start_probe(update["probe_ids"], update["probe_logprobs"], update["version"])
+
+    def load_weights(self, update: dict):
+        """The full weights, through vLLM's weight-transfer calls, the scheduler paused (not the requests)."""
+        actor = self.actor
+        actor.engine.engine_core.call_utility("pause_scheduler", "keep", False)  # keep: no abort, no cache clear
+        try:
+            actor.llm.start_weight_update()
+            actor.llm.update_weights({"update_info": update["update_info"]})
+            actor.llm.finish_weight_update(str(update["version"]))
+        except Exception as e:
+            raise RuntimeError(f"actor {actor.actor_id}: weight update after version {actor.version} failed; the "
+                               f"engine is unusable now: {e}") from e
+        actor.engine.engine_core.call_utility("resume_scheduler")
 
     def load_adapter(self, version: int, adapter: dict):
         """LoRA: the adapter of policy `version` (peft's format) written to its own directory (a temporary one,
@@ -2689,10 +2693,7 @@ def finish_run(args, policy, layout, link, transfer, local_actor, dispatcher, ro
     """The final model in output_dir (HF layout, as sft.py and dpo.py leave it: the next stage points
     here), then on learner 0 the final evaluation, the summary, and shutdown."""
     t = time.perf_counter()
-    if args.lora_rank:  # collective with several learners
-        final_state = adapter_state(policy.model, torch.float32)
-    else:
-        final_state = gather_full_state(policy.model, layout.num_learners)
+    final_state = saved_state(args, policy.model, layout.num_learners)  # collective with several learners
     if not layout.is_main:
         return
     if args.lora_rank:
@@ -2773,8 +2774,7 @@ def main():
             groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
         groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
     latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
-    if latest and args.lora_rank != 0 and not os.path.isfile(os.path.join(latest, "adapter_config.json")) or (
-            latest and args.lora_rank == 0 and not os.path.isfile(os.path.join(latest, "config.json"))):
+    if latest and not os.path.isfile(os.path.join(latest, "adapter_config.json" if args.lora_rank else "config.json")):
         raise SystemExit(f"--resume: {latest} holds a {'full model' if args.lora_rank else 'LoRA adapter'}; resume "
                          f"with the --lora_rank it was trained with")
     model_path = args.model_name_or_path if args.lora_rank else latest or args.model_name_or_path  # LoRA: the base
@@ -3495,6 +3495,12 @@ def write_summary(args, totals: Counter, eval_history, run_t0, local_actor):
           f"MBU {summary['actor_mbu']:.3f} occupancy {summary['actor_occupancy']:.2f}; the rest in {path}", flush=True)
 
 
+def saved_state(args, model, num_learners: int) -> dict | None:
+    """ALL learners (a collective with several): what a checkpoint and the final save hold, the LoRA adapter's
+    tensors (fp32) or the full model's state."""
+    return adapter_state(model, torch.float32) if args.lora_rank else gather_full_state(model, num_learners)
+
+
 def gather_full_state(model, num_learners: int) -> dict | None:
     """The full (unsharded) state dict on learner 0, on CPU; collective with several learners."""
     if num_learners == 1:
@@ -3637,7 +3643,7 @@ def save_checkpoint(args, model, tokenizer, optimizer, scheduler, step, position
     latest one. Then all but the newest --keep_last_n_checkpoints go, never `protect` (the one this run resumed
     from)."""
     lora = args.lora_rank > 0
-    state = adapter_state(model, torch.float32) if lora else gather_full_state(model, num_learners)
+    state = saved_state(args, model, num_learners)
     if num_learners == 1:
         opt_state = optimizer.state_dict()
     else:
