@@ -876,7 +876,7 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
                 if status != "ok" and mode == "namespace":
                     _wait_uid_gone(uid)
             seconds = time.monotonic() - t0
-            if max(fout.seek(0, os.SEEK_END), ferr.seek(0, os.SEEK_END)) >= _FSIZE:
+            if _flooded(fout, ferr):
                 status = "output_limit"
             if _failed_to_start(mode, _read(fstatus, 4000)):
                 status, err = "sandbox_error", (_read(fstatus, 4000) or _read(ferr, 4000))[-2000:]
@@ -893,6 +893,18 @@ def run_sandboxed(files: dict[str, str], argv: list[str], stdin_text: str | None
 def _failed_to_start(mode: str, status: str) -> bool:
     """From the sandbox's own status channel: our setup wrote its error there, bwrap the program's start."""
     return bool(status) if mode in ("namespace", "userns") else mode == "bwrap" and status != "started\n"
+
+
+def _empty_outputs(out, err) -> None:
+    """Before each test of a run: its stdout and stderr files start empty (the run writes them in append mode), so
+    neither what an earlier test wrote there nor its size reaches the next."""
+    for f in (out, err):
+        os.ftruncate(f.fileno(), 0)
+
+
+def _flooded(out, err) -> bool:
+    """Has the run's stdout or stderr reached the file-size limit (_FSIZE)?"""
+    return max(os.fstat(f.fileno()).st_size for f in (out, err)) >= _FSIZE
 
 
 def _read(f, limit: int) -> str:
@@ -1706,9 +1718,7 @@ class _Channel:
             os.set_blocking(fd, False)
 
     def send(self, message: list) -> bool:
-        return self.send_bytes((json.dumps(message) + "\n").encode())
-
-    def send_bytes(self, data: bytes) -> bool:
+        data = (json.dumps(message) + "\n").encode()
         while data and not self.closed:
             left = self.deadline - time.monotonic()
             if left <= 0 or not select.select([], [self.req], [], left)[1]:
@@ -1875,10 +1885,9 @@ def judge_asserts(program: str, tests: list[str], timeout: float, memory_mb: int
     def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
         channel, results = _Channel(req, rep, ctl, deadline), []
         for plan in plans:
-            for f in (out, err):  # emptied between tests: their size is no message from one test to the next
-                os.ftruncate(f.fileno(), 0)
+            _empty_outputs(out, err)
             results.append(_run_test(plan, channel) if plan else "unsupported")
-            if max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= _FSIZE:
+            if _flooded(out, err):
                 flooded.append(True)
         return results
 
@@ -1939,8 +1948,7 @@ def _stdio_batch(program: str, tests: list[tuple[str, str]], timeout: float, mem
     def converse(req: int, rep: int, ctl: int, deadline: float, out, err) -> list[str]:
         channel, statuses = _Channel(req, rep, ctl, deadline), []
         for (_, expected), stdin in zip(tests, stdins):
-            for f in (out, err):  # the test's output starts at 0 (they are written in append mode)
-                os.ftruncate(f.fileno(), 0)
+            _empty_outputs(out, err)
             remaining, nonce = deadline - time.monotonic(), secrets.token_hex(16)
             if remaining < 0.2 or not channel.send(["test", nonce, stdin, min(timeout, remaining - 0.1)]):
                 statuses.append("budget")
@@ -1951,7 +1959,7 @@ def _stdio_batch(program: str, tests: list[tuple[str, str]], timeout: float, mem
                 statuses.append("timeout")
                 continue
             status = str(got[1][2])
-            if max(os.fstat(f.fileno()).st_size for f in (out, err)) >= _FSIZE:
+            if _flooded(out, err):
                 status = "output_limit"
             elif status == "ok" and _same_tokens(os.pread(out.fileno(), _FSIZE, 0).decode(errors="replace"), expected):
                 status = "pass"
