@@ -36,21 +36,28 @@ SOLO_THREADS=${SOLO_THREADS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 solo() { OMP_NUM_THREADS=$SOLO_THREADS "$@"; }
 
+# Every stage computes in bf16 (vLLM's engines and the learners' matmuls; fp32 master weights): on a CPU with
+# avx512_bf16 that decoded 1.7x and multiplied 2.2x faster than fp32 here. vLLM runs eager: compiling cost 84 s a
+# start and gained 10%.
 if [ "$SHORT" = 1 ]; then
-    EVAL_ARGS=(--limit 24 --max_tokens 128 --num_samples 0 --enforce_eager)
-    PAIR_ARGS=(--num_prompts 48 --num_samples 4 --max_tokens 128 --enforce_eager)
+    EVAL_ARGS=(--limit 24 --max_tokens 128 --num_samples 0)
+    PAIR_ARGS=(--num_prompts 48 --num_samples 4 --max_tokens 128)
     DPO_ARGS=(--max_steps 4 --per_device_train_batch_size 2 --gradient_accumulation_steps 1)
     RL_ARGS=(--num_training_steps 2 --eval_every 2 --num_unique_prompts_per_step 4 --num_samples_per_prompt 4
              --max_response_length 128)
     CURVE_PROMPTS=8
 else
-    EVAL_ARGS=(--max_tokens 256 --num_samples 2)
-    PAIR_ARGS=(--num_prompts 512 --num_samples 4 --max_tokens 256)
-    DPO_ARGS=(--num_train_epochs 1 --per_device_train_batch_size 4 --gradient_accumulation_steps 2)
-    RL_ARGS=(--num_training_steps 20 --eval_every 5 --num_unique_prompts_per_step 8 --num_samples_per_prompt 4
+    EVAL_ARGS=(--max_tokens 192 --num_samples 1 --sample_limit 64)
+    PAIR_ARGS=(--num_prompts 96 --num_samples 4 --max_tokens 192)
+    DPO_ARGS=(--num_train_epochs 1 --per_device_train_batch_size 2 --gradient_accumulation_steps 2)
+    RL_ARGS=(--num_training_steps 14 --eval_every 5 --num_unique_prompts_per_step 8 --num_samples_per_prompt 4
              --max_response_length 192)
-    CURVE_PROMPTS=32
+    CURVE_PROMPTS=16
 fi
+EVAL_ARGS+=(--enforce_eager --dtype bfloat16 --seed "$SEED")
+PAIR_ARGS+=(--enforce_eager --dtype bfloat16)
+DPO_ARGS+=(--bf16)
+RL_ARGS+=(--enforce_eager --bf16)
 
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 started=$(date +%s)
@@ -82,7 +89,7 @@ $PY -m torch.distributed.run --nproc-per-node 2 grpo.py --num_learners 1 \
     --model_name_or_path "$OUT/dpo" --output_dir "$OUT/rl" --overwrite_output_dir \
     --dataset_mixer_list "$OUT/data/rlvr.jsonl" 1.0 --dataset_mixer_eval_list "$OUT/data/eval_curve.jsonl" 1.0 \
     --eval_num_samples 2 \
-    --learning_rate 1e-5 --lr_scheduler_type constant --max_prompt_length 128 --max_num_seqs 32 \
+    --learning_rate 2e-5 --lr_scheduler_type constant --max_prompt_length 128 --max_num_seqs 32 \
     --logging_steps 1 --seed "$SEED" "${RL_ARGS[@]}"
 solo $PY real_model.py eval "$OUT/rl" "$OUT/data/eval.jsonl" --out "$OUT/eval_rl.jsonl" \
     --summary "$OUT/eval_rl.json" "${EVAL_ARGS[@]}" > /dev/null

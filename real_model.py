@@ -391,12 +391,13 @@ def summarize(scored: list[dict]) -> dict:
             "errors": sum(s["error"] is not None for s in scored), "num_prompts": len(scored)}
 
 
-def start_engine(model_dir: str, seed: int = 0, enforce_eager: bool = False):
-    """An offline vLLM engine for evaluation and sampling: fp32 as the trainer's weights, a 1 GiB KV cache."""
+def start_engine(model_dir: str, seed: int = 0, enforce_eager: bool = False, dtype: str = "float32"):
+    """An offline vLLM engine for evaluation and sampling, a 1 GiB KV cache. fp32 by default, as the trainer's
+    weights; bf16 decodes about 1.7x faster on a CPU with avx512_bf16 (greedy text may then differ a little)."""
     import torch
     from vllm import LLM
 
-    return LLM(model=model_dir, dtype=torch.float32, seed=seed, max_model_len=1024, max_num_seqs=64,
+    return LLM(model=model_dir, dtype=getattr(torch, dtype), seed=seed, max_model_len=1024, max_num_seqs=64,
                kv_cache_memory_bytes=1 << 30, enforce_eager=enforce_eager)
 
 
@@ -414,9 +415,9 @@ def chat_template_prompt(tokenizer, messages) -> list[int]:
 
 def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_tokens: int = 256,
              num_samples: int = 4, temperature: float = 1.0, seed: int = 0, limit: int | None = None,
-             enforce_eager: bool = False) -> dict:
-    """Greedy responses to the held-out prompts (and `num_samples` sampled ones at `temperature`: pass@1 as RL
-    sees it), scored; the greedy responses and their scores go to `out_path` (jsonl). Uses vLLM, as the RL
+             enforce_eager: bool = False, dtype: str = "float32", sample_limit: int | None = None) -> dict:
+    """Greedy responses to the held-out prompts (and `num_samples` sampled ones at `temperature` for the first
+    `sample_limit` of them: pass@1 as RL sees it), scored; the greedy responses and their scores go to `out_path` (jsonl). Uses vLLM, as the RL
     actor does: 135M parameters x 200 prompts x a few hundred tokens is minutes with plain generate on a CPU."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -426,11 +427,11 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = _prompts(tokenizer, rows)
     t0 = time.perf_counter()
-    llm = start_engine(model_dir, seed, enforce_eager)
+    llm = start_engine(model_dir, seed, enforce_eager, dtype)
     start_s = time.perf_counter() - t0
 
-    def texts(params):
-        return [c.text for out in llm.generate(prompts, params, use_tqdm=True) for c in out.outputs]
+    def texts(params, some=prompts):
+        return [c.text for out in llm.generate(some, params, use_tqdm=True) for c in out.outputs]
 
     greedy = texts(SamplingParams(temperature=0.0, max_tokens=max_tokens))
     scored = score_responses(rows, greedy)
@@ -438,8 +439,10 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
               "mean_response_tokens": sum(len(tokenizer(t).input_ids) for t in greedy) / max(len(greedy), 1),
               "engine_start_s": round(start_s, 1)}
     if num_samples > 0:
-        sampled = texts(SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples))  # LLM(seed)
-        repeated = [row for row in rows for _ in range(num_samples)]
+        sampled_rows = rows[:sample_limit]
+        sampled = texts(SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples),  # LLM(seed)
+                        prompts[:len(sampled_rows)])
+        repeated = [row for row in sampled_rows for _ in range(num_samples)]
         result["sampled"] = summarize(score_responses(repeated, sampled))
         result.update(num_samples=num_samples, temperature=temperature)
     result["seconds"] = round(time.perf_counter() - t0, 1)
@@ -451,7 +454,8 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
 
 
 def sample_pairs(model_dir: str, rlvr_path: str, out_path: str, num_prompts: int = 256, num_samples: int = 4,
-                 max_tokens: int = 256, temperature: float = 1.0, seed: int = 0, enforce_eager: bool = False) -> dict:
+                 max_tokens: int = 256, temperature: float = 1.0, seed: int = 0, enforce_eager: bool = False,
+                 dtype: str = "float32") -> dict:
     """Preference pairs from the model's own samples (Olmo 3's delta learning: contrast a good answer with the
     model's own weaker one). For each of `num_prompts` training prompts, `num_samples` samples at `temperature`,
     scored by verifiers.ifeval; chosen: a sample that follows every constraint, rejected: the one that follows
@@ -464,7 +468,7 @@ def sample_pairs(model_dir: str, rlvr_path: str, out_path: str, num_prompts: int
         rows = [json.loads(line) for line in f if line.strip()]
     rows = random.Random(seed).sample(rows, min(num_prompts, len(rows)))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    llm = start_engine(model_dir, seed, enforce_eager)
+    llm = start_engine(model_dir, seed, enforce_eager, dtype)
     # no per-request seed: vLLM CPU 0.32 can fail with one ("CPU Generator does not use offset"); LLM(seed) seeds
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, n=num_samples)
     outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=True)  # minutes at full size: a progress bar
@@ -612,9 +616,12 @@ def main():
     p.add_argument("--out", default=None, help="the greedy responses and their scores (jsonl)")
     p.add_argument("--max_tokens", type=int, default=256)
     p.add_argument("--num_samples", type=int, default=4, help="sampled responses per prompt for pass@1 (0: none)")
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None, help="the first LIMIT held-out prompts only")
+    p.add_argument("--sample_limit", type=int, default=None, help="sampled pass@1 on the first SAMPLE_LIMIT only")
+    p.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
     p.add_argument("--summary", default=None, help="write the figures as JSON here too (for `report`)")
     p.add_argument("--enforce_eager", action="store_true", help="vLLM without compilation: starts sooner")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's dtype")
     p = sub.add_parser("pairs", help="DPO pairs from MODEL_DIR's own samples on training prompts")
     p.add_argument("model_dir")
     p.add_argument("rlvr_path")
@@ -624,6 +631,7 @@ def main():
     p.add_argument("--max_tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce_eager", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's dtype")
     p = sub.add_parser("report", help="the stages' table from their eval summaries")
     p.add_argument("--stage", action="append", required=True, help="NAME=SUMMARY_JSON, in table order")
     p.add_argument("--out_dir", required=True)
@@ -639,7 +647,8 @@ def main():
         print(json.dumps(paths))
     elif args.cmd == "eval":
         result = evaluate(args.model_dir, args.eval_path, args.out, max_tokens=args.max_tokens,
-                          num_samples=args.num_samples, limit=args.limit, enforce_eager=args.enforce_eager)
+                          num_samples=args.num_samples, seed=args.seed, limit=args.limit,
+                          enforce_eager=args.enforce_eager, dtype=args.dtype, sample_limit=args.sample_limit)
         if args.summary:
             with open(args.summary, "w") as f:
                 json.dump(result, f, indent=1)
@@ -647,7 +656,7 @@ def main():
     elif args.cmd == "pairs":
         print(json.dumps(sample_pairs(args.model_dir, args.rlvr_path, args.out_path, args.num_prompts,
                                       args.num_samples, args.max_tokens, seed=args.seed,
-                                      enforce_eager=args.enforce_eager)))
+                                      enforce_eager=args.enforce_eager, dtype=args.dtype)))
     elif args.cmd == "report":
         print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir, args.rl_metrics) + "\n")
 
