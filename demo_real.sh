@@ -47,17 +47,17 @@ if [ "$SHORT" = 1 ]; then
              --max_response_length 128)
     CURVE_PROMPTS=8
 else
-    EVAL_ARGS=(--max_tokens 192 --num_samples 1 --sample_limit 64)
-    PAIR_ARGS=(--num_prompts 96 --num_samples 4 --max_tokens 192)
+    EVAL_ARGS=(--limit 160 --max_tokens 192 --num_samples 1 --sample_limit 64)
+    PAIR_ARGS=(--num_prompts 64 --num_samples 4 --max_tokens 192)
     DPO_ARGS=(--num_train_epochs 1 --per_device_train_batch_size 2 --gradient_accumulation_steps 2)
-    RL_ARGS=(--num_training_steps 14 --eval_every 5 --num_unique_prompts_per_step 8 --num_samples_per_prompt 4
+    RL_ARGS=(--num_training_steps 12 --eval_every 6 --num_unique_prompts_per_step 8 --num_samples_per_prompt 4
              --max_response_length 192)
     CURVE_PROMPTS=16
 fi
 EVAL_ARGS+=(--enforce_eager --dtype bfloat16 --seed "$SEED")
 PAIR_ARGS+=(--enforce_eager --dtype bfloat16)
-DPO_ARGS+=(--bf16)
-RL_ARGS+=(--enforce_eager --bf16)
+DPO_ARGS+=(--bf16 true)
+RL_ARGS+=(--enforce_eager --bf16 true)
 
 stage() { echo; echo "=== [$(date +%H:%M:%S)] $* ==="; }
 started=$(date +%s)

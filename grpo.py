@@ -235,7 +235,8 @@ class Args:
     startup_timeout_s: float = field(default=1800.0, metadata={
         "help": "Longest wait for the actors' engines to start."})
     probe_tolerance: float = field(default=0.0, metadata={
-        "help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16)."})
+        "help": "Max mean |learner - engine| probe logprob diff after an update (0: 2e-3 fp32, 5e-2 bf16, 0.15 bf16 "
+                "on CPU)."})
     verifier_workers: int = field(default=2, metadata={"help": "Verifier processes."})
     max_infra_failure_rate: float = field(default=0.25, metadata={
         "help": "Stop when verifier infrastructure failures exceed this share of samples 3 steps in a row."})
@@ -838,6 +839,7 @@ class Actor:
         self.stop = threading.Event()
         # bf16 on GPU; on CPU as the learner trains (--bf16: avx512_bf16 decodes about 1.7x faster than fp32)
         self.dtype = torch.bfloat16 if device != "cpu" or args.bf16 else torch.float32
+        self.engine_on_cpu = device == "cpu"
         saved = {k: os.environ.pop(k) for k in TORCHRUN_VARS if k in os.environ}
         try:  # vLLM starts its own torch.distributed in its engine process: hide torchrun's variables
             # On CPU, vLLM without a KV-cache size reserves 92% of the NUMA node's free memory and refuses to
@@ -1734,7 +1736,11 @@ class EngineWeights:
         engine_lp = [d[ids[t]].logprob for t, d in enumerate(out.prompt_logprobs) if t > 0]
         diff = np.abs(np.array(engine_lp) - np.array(learner_lp))
         exact = actor.dtype == torch.float32 and not actor.args.bf16  # both sides in fp32
-        tol = actor.args.probe_tolerance or (2e-3 if exact else 5e-2)
+        # vLLM's CPU engine in bf16 keeps its residual stream and norms in bf16, the learner's autocast in fp32: on
+        # SmolLM2-135M (30 layers) the mean diff was 0.050-0.072 over 14 steps of correctly served weights, 0.059 at
+        # version 0 (the same weights on both sides)
+        bf16_tol = 0.15 if actor.dtype == torch.bfloat16 and actor.engine_on_cpu else 5e-2
+        tol = actor.args.probe_tolerance or (2e-3 if exact else bf16_tol)
         actor.stats["probe_checks"] += 1
         actor.stats["probe_mean_abs_diff"] = max(actor.stats["probe_mean_abs_diff"], float(diff.mean()))
         actor.stats["probe_max_abs_diff"] = max(actor.stats["probe_max_abs_diff"], float(diff.max()))

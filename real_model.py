@@ -596,6 +596,81 @@ def report(summaries: dict[str, str], out_dir: str, rl_metrics: str | None = Non
     return text
 
 
+def standalone_generation(model_dir: str, rlvr_path: str, num_prompts: int = 64, num_samples: int = 4,
+                          max_tokens: int = 192, max_num_seqs: int = 32, max_model_len: int = 320, core: int = 1,
+                          dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """The RL actor's engine alone, for item 5's ratio: offline `LLM.generate` of `num_samples` samples (T=1) of
+    `num_prompts` training prompts, with the actor's settings (eager, `dtype`, `max_num_seqs` slots, prefix
+    caching, one core: vLLM's OpenMP threads bound to `core` and this process and its engine pinned there, as
+    grpo.py pins a 1 learner + 1 actor run on two cores: learner core 0, actor core 1). Generated tokens / wall
+    seconds of the generate call."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    os.sched_setaffinity(0, {core})  # vLLM's engine process inherits it
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    with open(rlvr_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:num_prompts]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(model=model_dir, dtype=getattr(torch, dtype), seed=seed, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, kv_cache_memory_bytes=1 << 30, enforce_eager=True,
+              enable_prefix_caching=True)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, n=num_samples)
+    t0 = time.perf_counter()
+    outputs = llm.generate(_prompts(tokenizer, rows), params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    return {"tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": tokens / seconds,
+            "prompts": len(rows), "samples": num_samples, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs}
+
+
+def rl_speed(metrics_path: str, skip_steps: int = 1) -> dict:
+    """grpo.py's speed figures over an RL run's training steps after the first `skip_steps` (the first waits for
+    the engine's first rollouts): the actor's generated tokens/s over wall time and over its busy time
+    (tokens/s / occupancy), the learner's trained tokens/s, weight-sync seconds per update, the step's split."""
+    from toy import read_metrics
+
+    rows = [r for r in read_metrics(metrics_path) if r.get("kind") != "eval" and "perf/actor_tokens_per_s" in r]
+    rows = rows[skip_steps:] or rows
+    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)  # noqa: E731
+    busy = [r["perf/actor_tokens_per_s"] / r["perf/actor_occupancy"] for r in rows if r.get("perf/actor_occupancy")]
+    return {"steps": len(rows), "actor_tokens_per_s": mean("perf/actor_tokens_per_s"),
+            "actor_occupancy": mean("perf/actor_occupancy"), "actor_busy_tokens_per_s": sum(busy) / max(len(busy), 1),
+            "learner_tokens_per_s": mean("perf/learner_tokens_per_s"), "weight_sync_s": mean("time/weight_sync"),
+            "step_s": mean("time/step"), "train_s": mean("time/train"), "data_wait_s": mean("time/data_wait")}
+
+
+def speed_report(model_dir: str, rlvr_path: str, metrics_path: str, num_params: float, **engine) -> str:
+    """Item 5's figures side by side: the RL run's actor against the same engine alone (standalone_generation),
+    the learner's tokens/s and MFU (6 FLOPs per parameter per trained token over one core's bf16 matmul peak,
+    measured here), and the weight sync."""
+    import torch
+
+    rl = rl_speed(metrics_path)
+    alone = standalone_generation(model_dir, rlvr_path, **engine)
+    torch.set_num_threads(1)
+    a, b = torch.randn(1536, 1536, dtype=torch.bfloat16), torch.randn(1536, 1536, dtype=torch.bfloat16)
+    torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, b)
+    peak = 8 * 2 * 1536 ** 3 / (time.perf_counter() - t0)
+    mfu = 6 * num_params * rl["learner_tokens_per_s"] / peak
+    return "\n".join([
+        f"actor during RL: {rl['actor_tokens_per_s']:.0f} generated tokens/s over wall time "
+        f"({rl['actor_tokens_per_s'] / alone['tokens_per_s']:.0%} of standalone), occupancy "
+        f"{rl['actor_occupancy']:.2f}, {rl['actor_busy_tokens_per_s']:.0f} tokens/s while busy "
+        f"({rl['actor_busy_tokens_per_s'] / alone['tokens_per_s']:.0%} of standalone); mean of {rl['steps']} steps",
+        f"the same engine alone (offline LLM.generate, {alone['prompts']} prompts x {alone['samples']} samples, "
+        f"{alone['max_tokens']} tokens, {alone['max_num_seqs']} slots, one core): {alone['tokens_per_s']:.0f} "
+        f"tokens/s ({alone['tokens']} tokens in {alone['seconds']} s)",
+        f"learner: {rl['learner_tokens_per_s']:.0f} trained tokens/s on one core, MFU {mfu:.2f} (6 x "
+        f"{num_params / 1e6:.1f}M FLOPs a token over {peak / 1e9:.0f} GFLOP/s, one core's bf16 matmul here)",
+        f"step {rl['step_s']:.1f} s: training {rl['train_s']:.1f} s, waiting for data {rl['data_wait_s']:.1f} s; "
+        f"weight sync {rl['weight_sync_s']:.2f} s an update"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -632,6 +707,16 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce_eager", action="store_true")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's dtype")
+    p = sub.add_parser("speed", help="an RL run's actor against the same engine alone; learner tokens/s and MFU")
+    p.add_argument("model_dir", help="the model RL started from")
+    p.add_argument("rlvr_path", help="the RL prompts")
+    p.add_argument("rl_metrics", help="grpo.py's metrics.jsonl of the run")
+    p.add_argument("--num_prompts", type=int, default=64)
+    p.add_argument("--num_samples", type=int, default=4, help="as the run's --num_samples_per_prompt")
+    p.add_argument("--max_tokens", type=int, default=192, help="as the run's --max_response_length")
+    p.add_argument("--max_num_seqs", type=int, default=32, help="as the run's --max_num_seqs")
+    p.add_argument("--max_model_len", type=int, default=320, help="the run's prompt + response lengths")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="as the run's engine")
     p = sub.add_parser("report", help="the stages' table from their eval summaries")
     p.add_argument("--stage", action="append", required=True, help="NAME=SUMMARY_JSON, in table order")
     p.add_argument("--out_dir", required=True)
@@ -657,6 +742,15 @@ def main():
         print(json.dumps(sample_pairs(args.model_dir, args.rlvr_path, args.out_path, args.num_prompts,
                                       args.num_samples, args.max_tokens, seed=args.seed,
                                       enforce_eager=args.enforce_eager, dtype=args.dtype)))
+    elif args.cmd == "speed":
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):  # the parameter count without the weights (a tied head counts once)
+            num_params = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir)).num_parameters()
+        print(speed_report(args.model_dir, args.rlvr_path, args.rl_metrics, num_params, num_prompts=args.num_prompts,
+                           num_samples=args.num_samples, max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                           max_model_len=args.max_model_len, dtype=args.dtype))
     elif args.cmd == "report":
         print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir, args.rl_metrics) + "\n")
 

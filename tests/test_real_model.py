@@ -142,6 +142,26 @@ def test_report_plots_reward_and_held_out_accuracy_over_rl_steps(tmp_path):
     assert not (tmp_path / "plain" / "rl_curves.png").exists()
 
 
+def test_rl_speed_reads_the_actor_busy_rate_and_skips_the_first_step(tmp_path):
+    """`real_model.py speed`'s RL side: means over the training steps after the first (which waits for the engine's
+    first rollouts), eval rows ignored, the actor's rate while busy = its wall rate / its occupancy."""
+    rows = [{"step": 1, "kind": "train", "perf/actor_tokens_per_s": 10.0, "perf/actor_occupancy": 0.1,
+             "perf/learner_tokens_per_s": 1.0, "time/weight_sync": 9.0, "time/step": 100.0},
+            {"step": 2, "kind": "train", "perf/actor_tokens_per_s": 60.0, "perf/actor_occupancy": 0.5,
+             "perf/learner_tokens_per_s": 90.0, "time/weight_sync": 0.5, "time/step": 60.0, "time/train": 55.0},
+            {"step": 2, "kind": "eval", "eval/pass@1": 0.3},
+            {"step": 3, "kind": "train", "perf/actor_tokens_per_s": 100.0, "perf/actor_occupancy": 1.0,
+             "perf/learner_tokens_per_s": 110.0, "time/weight_sync": 0.7, "time/step": 58.0, "time/train": 57.0}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    speed = real_model.rl_speed(str(metrics))
+    assert speed["steps"] == 2
+    assert speed["actor_tokens_per_s"] == pytest.approx(80.0) and speed["actor_occupancy"] == pytest.approx(0.75)
+    assert speed["actor_busy_tokens_per_s"] == pytest.approx((120.0 + 100.0) / 2)
+    assert speed["learner_tokens_per_s"] == pytest.approx(100.0) and speed["weight_sync_s"] == pytest.approx(0.6)
+    assert speed["step_s"] == pytest.approx(59.0) and speed["train_s"] == pytest.approx(56.0)
+
+
 # -------------------------------------------------------------------------------------------------
 # The model (slow: the converted model, cached)
 # -------------------------------------------------------------------------------------------------
