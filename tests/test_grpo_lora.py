@@ -26,7 +26,7 @@ def _cmd(model, data, out, *extra):
             "--dataset_mixer_list", os.path.join(data, "rlvr.jsonl"), "1.0", "--eval_every", "0", "--enforce_eager",
             "--report_to", "none", "--max_prompt_length", "128", "--max_response_length", "48", "--max_num_seqs", "32",
             "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--max_prompts_per_step_factor", "2",
-            "--timeout_s", "60", *LORA, *extra]
+            "--timeout_s", "120", *LORA, *extra]  # a TP 2 engine beside its learner on 2 busy cores: ~1 min a step
 
 
 def _by_length(toy_data_dir, tmp_path) -> str:
