@@ -2779,7 +2779,8 @@ def main():
         link_timeout = datetime.timedelta(seconds=max(args.timeout_s, args.startup_timeout_s))
         for name in ("prompts", "data", "weights"):
             groups[name] = dist.new_group(link_ranks, backend="gloo", timeout=link_timeout)
-        groups["learners"] = dist.new_group(list(range(num_learners)), timeout=timeout)
+        # the other learners' first collective waits while learner 0 starts the engines (--startup_timeout_s)
+        groups["learners"] = dist.new_group(list(range(num_learners)), timeout=link_timeout)
     latest = resume_checkpoint(args.output_dir, args.resume, rank == 0)
     if latest and not os.path.isfile(os.path.join(latest, "adapter_config.json" if args.lora_rank else "config.json")):
         raise SystemExit(f"--resume: {latest} holds a {'full model' if args.lora_rank else 'LoRA adapter'}; resume "
@@ -3520,14 +3521,26 @@ def gather_full_state(model, num_learners: int) -> dict | None:
 
 
 def load_optimizer(model, optimizer, state, num_learners):
-    if num_learners == 1:
+    """The optimizer's state from a checkpoint, which another number of learners may have saved: one learner saves
+    the optimizer's own state dict (parameters by index), several the full state by parameter name (FSDP2 keeps
+    the names)."""
+    if num_learners == 1:  # it maps the saved parameters to its own by position, whatever their keys
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not isinstance(state["param_groups"][0]["params"][0], str):  # saved by one learner: by index
+        names = [name for name, p in model.named_parameters() if p.requires_grad]  # the optimizer's order
+        state = renamed_optimizer_state(state, dict(enumerate(names)))
     # Every learner read the full state from disk, so each only keeps its own shard. No broadcast:
     # broadcast_from_rank0 broadcasts on the default group, which holds the actor ranks too, and hung.
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def renamed_optimizer_state(state: dict, keys: dict) -> dict:
+    """An optimizer state dict with its parameters' keys mapped through `keys` (indices to names)."""
+    return {"state": {keys[k]: v for k, v in state["state"].items()},
+            "param_groups": [dict(group, params=[keys[k] for k in group["params"]]) for group in state["param_groups"]]}
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections import Counter
 
 import pytest
@@ -991,6 +992,36 @@ def test_save_checkpoint_fsyncs_points_latest_and_keeps_last_n(toy_model_dir, tm
     assert state["step"] == 4 and state["sampler_position"] == 40
 
 
+def test_optimizer_state_loads_whatever_number_of_learners_saved_it():
+    """One learner saves the optimizer's own state dict (parameters by index), several the full state by name
+    (torch's get_optimizer_state_dict): a run resumed with another number of learners gets each parameter's own AdamW
+    state either way (the several-learner load, set_optimizer_state_dict, takes names only; it runs here on one
+    process, as FSDP2's does on each learner). A frozen parameter in the middle shifts the indices: LoRA's case."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    def policy():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        model[1].weight.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, optimizer = policy()
+    for _ in range(2):
+        model(torch.randn(5, 3)).square().sum().backward()
+        optimizer.step()
+    by_name = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    assert by_name["param_groups"][0]["params"][0] == "0.weight"  # the form several learners save
+    for saved, num_learners in ((optimizer.state_dict(), 2), (by_name, 1)):
+        resumed, resumed_optimizer = policy()
+        grpo.load_optimizer(resumed, resumed_optimizer, saved, num_learners)
+        pairs = zip([p for p in model.parameters() if p.requires_grad],
+                    [p for p in resumed.parameters() if p.requires_grad])
+        for p, q in pairs:
+            want, got = optimizer.state[p], resumed_optimizer.state[q]
+            assert int(got["step"]) == 2, num_learners
+            assert torch.equal(got["exp_avg"], want["exp_avg"]) and torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+
+
 def test_reused_output_dir_stops_at_once(tmp_path):
     """A previous run's checkpoints in output_dir stop grpo.py before anything starts (the model name is
     bogus: nothing is loaded) unless --resume or --overwrite_output_dir."""
@@ -1138,23 +1169,18 @@ def _version_only(version, **probe):
     return {"version": version, **probe}  # no update_info: update_weight_version only
 
 
-@pytest.mark.slow
-def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir, tmp_path):
-    """Requests running when new weights stream in are neither aborted nor restarted: their early tokens
-    keep the old model's logprobs, their later tokens have the new model's, token for token, and vLLM
-    labels every token with the version that produced it. Then, switched to drained updates, an update
-    sent while a request runs waits until the request has finished (the stream goes only once the engine
-    is drained), and its probe passes. Last, a wrong probe fails loudly."""
+@pytest.fixture(scope="module")
+def streamed_actor(toy_model_dir):
+    """One in-process Actor on the toy model for the two tests below (one engine start, not two), its engine loop in
+    a thread, on version 0 of the model, with learner 0's end of a weight stream into it (`sender`). Room for both
+    tests' requests: prompts of 320 tokens (the prefix cache's), responses of 160 (inflight updates')."""
     from transformers import AutoModelForCausalLM
 
-    old = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
-    new = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():  # only the LM head changes: the KV cache kept across the update stays exact
-        new.lm_head.weight.mul_(4.0)
-    args = _args(max_response_length=160, num_samples_per_prompt=2, temperature=1.0)
-    out = []
+    args = _args(max_prompt_length=400, max_response_length=160, num_samples_per_prompt=2, temperature=1.0)
+    out, errors = [], []
     actor = grpo.Actor(args, toy_model_dir, 0, out.append, "cpu")
-    errors = []
+    base = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+    sender = _connect_stream(actor, base)
 
     def run():
         try:
@@ -1162,6 +1188,72 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         except Exception as e:
             errors.append(e)
 
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        actor.updates.put(_version_only(0))
+        deadline = time.time() + 120
+        while actor.version != 0:  # the loop takes it once the engine's peaks are measured
+            assert time.time() < deadline and not errors, errors
+            time.sleep(0.01)
+        yield types.SimpleNamespace(actor=actor, out=out, errors=errors, thread=thread, sender=sender, base=base)
+    finally:
+        actor.shutdown()
+
+
+def _probe_checks(out, actor) -> int:
+    """The probes the actor has run so far: those its emitted stats counted, and those not emitted yet."""
+    return sum(m["stats"].get("probe_checks", 0) for m in out if "stats" in m) + actor.stats["probe_checks"]
+
+
+@pytest.mark.slow
+def test_prefix_cache_is_reused_only_within_a_policy_version(streamed_actor):
+    """The same prompt twice under one version hits vLLM's prefix cache (and the hit is not charged as
+    prefill); after a weight update the same prompt is computed again: KV from an older policy is never
+    reused by a request that starts on the new one. (Runs before the inflight test below, on the same engine:
+    that one ends the engine's loop.)"""
+    s = streamed_actor
+    actor, out, errors = s.actor, s.out, s.errors
+    prompt = [5 + i % 300 for i in range(320)]  # spans several KV blocks, so whole blocks can be cached
+    probe_ids = prompt[:8]
+    assert actor.version == 0 and not errors, errors
+
+    def prefill_of_next_group(index):
+        n = len(out)
+        actor.inbox.put([{"kind": "train", "index": index, "prompt_ids": prompt, "ground_truth": "1",
+                          "verifier": "math", "n": 1, "max_tokens": [4]}])
+        deadline = time.time() + 120
+        while not any("group" in m for m in out[n:]):
+            assert time.time() < deadline and not errors, errors
+            time.sleep(0.01)
+        return sum(m["stats"].get("prefill_tokens", 0) for m in out[n:])
+
+    assert prefill_of_next_group(0) == 320
+    assert prefill_of_next_group(1) < 320  # control: same version, the prompt's blocks come from the cache
+    _push(s.sender, _weight_update(s.base, 1, probe_ids))
+    deadline = time.time() + 120
+    while actor.version != 1 or actor.weights.probe is not None:
+        assert time.time() < deadline and not errors, errors
+        time.sleep(0.01)
+    assert prefill_of_next_group(2) == 320  # a new policy: the whole prompt is computed again
+
+
+@pytest.mark.slow
+def test_inflight_update_running_requests_finish_under_new_weights(streamed_actor, toy_model_dir):
+    """Requests running when new weights stream in are neither aborted nor restarted: their early tokens
+    keep the old model's logprobs, their later tokens have the new model's, token for token, and vLLM
+    labels every token with the version that produced it. Then, switched to drained updates, an update
+    sent while a request runs waits until the request has finished (the stream goes only once the engine
+    is drained), and its probe passes. Last, a wrong probe fails loudly. The engine holds the toy model's
+    weights at the version `v` it is on (the prefix cache test, when it ran first, streamed them as version 1)."""
+    from transformers import AutoModelForCausalLM
+
+    s = streamed_actor
+    actor, out, errors, thread, sender, old = s.actor, s.out, s.errors, s.thread, s.sender, s.base
+    v = actor.version
+    new = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # only the LM head changes: the KV cache kept across the update stays exact
+        new.lm_head.weight.mul_(4.0)
     prompt = [5, 6, 7, 8, 9, 10]
     probe_ids = prompt + [20, 21, 22, 23]
     long_requests = {"max_tokens": [160, 160], "ignore_eos": True}  # as the benchmark's prompts carry them
@@ -1171,28 +1263,26 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
             assert time.time() < limit and not errors, errors
             time.sleep(0.002)
 
-    sender = _connect_stream(actor, old)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     try:
-        actor.updates.put(_version_only(0))
-        actor.inbox.put([{"kind": "train", "index": 0, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
+        assert not errors and not actor.pending, errors
+        n_first, probes = len(out), _probe_checks(out, actor)
+        actor.inbox.put([{"kind": "train", "index": 100, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
                           "n": 2, **long_requests}])
         deadline = time.time() + 120
         wait_until_both_samples_run(deadline)
         before = {rid: list(s["tokens"]) for rid, s in actor.pending.items()}
-        first = _weight_update(new, 1, probe_ids)
+        first = _weight_update(new, v + 1, probe_ids)
         _push(sender, first)
-        while not out:
+        while not any("group" in m for m in out[n_first:]):
             assert time.time() < deadline and not errors, errors
             time.sleep(0.01)
-        group = out[0]["group"]
+        (group,) = [m["group"] for m in out[n_first:] if "group" in m]
         for j, s in enumerate(group["samples"]):
             tokens, versions = s["response_ids"], s["versions"]
             assert len(tokens) == 160
-            k = versions.index(1)  # the first token produced by the new weights
-            assert versions == [0] * k + [1] * (160 - k) and k >= 8
-            assert tokens[:len(before[f"train-0-{j}"])] == before[f"train-0-{j}"]  # not restarted
+            k = versions.index(v + 1)  # the first token produced by the new weights
+            assert versions == [v] * k + [v + 1] * (160 - k) and k >= 8
+            assert tokens[:len(before[f"train-100-{j}"])] == before[f"train-100-{j}"]  # not restarted
             with torch.no_grad():
                 ids = torch.tensor([prompt + tokens])
                 lp_old = torch.log_softmax(old(ids).logits[0].float(), -1)
@@ -1206,21 +1296,21 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
             assert (ref_new[k:] - ref_old[k:]).abs().mean() > 0.1  # and the two models differ
         # the probe after the update passed
         time.sleep(0.5)
-        assert not errors and out[-1]["stats"].get("probe_checks", 0) + actor.stats["probe_checks"] >= 1
-        # drained updates: version 2 is sent while a request runs; the engine loads it only once the request
-        # has finished under version 1 (and version 2's probe would fail on 1's weights)
+        assert not errors and _probe_checks(out, actor) >= probes + 1
+        # drained updates: version v + 2 is sent while a request runs; the engine loads it only once the request
+        # has finished under version v + 1 (and v + 2's probe would fail on v + 1's weights)
         actor.args.inflight_updates = False
         model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             model.lm_head.weight.mul_(2.0)
         n_out = len(out)
-        actor.inbox.put([{"kind": "train", "index": 1, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
+        actor.inbox.put([{"kind": "train", "index": 101, "prompt_ids": prompt, "ground_truth": "1", "verifier": "math",
                           "n": 2, **long_requests}])
         wait_until_both_samples_run(deadline + 120)
-        push = threading.Thread(target=_push, args=(sender, _weight_update(model, 2, probe_ids)), daemon=True)
+        push = threading.Thread(target=_push, args=(sender, _weight_update(model, v + 2, probe_ids)), daemon=True)
         push.start()
-        assert actor.version == 1 and actor.pending  # the stream waits for the engine, which drains first
-        while actor.version != 2 or actor.weights.probe is not None:  # loaded, and its probe has run
+        assert actor.version == v + 1 and actor.pending  # the stream waits for the engine, which drains first
+        while actor.version != v + 2 or actor.weights.probe is not None:  # loaded, and its probe has run
             assert time.time() < deadline + 240 and not errors, errors
             time.sleep(0.01)
         push.join(10)
@@ -1228,59 +1318,13 @@ def test_inflight_update_running_requests_finish_under_new_weights(toy_model_dir
         time.sleep(0.2)
         assert not errors, errors
         (drained,) = [m["group"] for m in out[n_out:] if "group" in m]
-        assert all(s["versions"] == [1] * 160 for s in drained["samples"])  # no update mid-sequence
+        assert all(s["versions"] == [v + 1] * 160 for s in drained["samples"])  # no update mid-sequence
         # a probe that disagrees must stop the actor
         header, _ = first
-        actor.updates.put(_version_only(5, probe_ids=probe_ids,
+        actor.updates.put(_version_only(v + 5, probe_ids=probe_ids,
                                         probe_logprobs=[x + 0.5 for x in header["probe_logprobs"]]))
         thread.join(timeout=60)
         assert errors and "stale or corrupted" in str(errors[0])
-    finally:
-        actor.shutdown()
-
-
-@pytest.mark.slow
-def test_prefix_cache_is_reused_only_within_a_policy_version(toy_model_dir, tmp_path):
-    """The same prompt twice under one version hits vLLM's prefix cache (and the hit is not charged as
-    prefill); after a weight update the same prompt is computed again: KV from an older policy is never
-    reused by a request that starts on the new one."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
-    args = _args(num_samples_per_prompt=1, max_prompt_length=400, max_response_length=4, temperature=1.0)
-    out, errors = [], []
-    actor = grpo.Actor(args, toy_model_dir, 0, out.append, "cpu")
-    prompt = [5 + i % 300 for i in range(320)]  # spans several KV blocks, so whole blocks can be cached
-    probe_ids = prompt[:8]
-
-    def run():
-        try:
-            actor.run()
-        except Exception as e:
-            errors.append(e)
-
-    def prefill_of_next_group(index):
-        n = len(out)
-        actor.inbox.put([{"kind": "train", "index": index, "prompt_ids": prompt, "ground_truth": "1",
-                          "verifier": "math", "n": 1}])
-        deadline = time.time() + 120
-        while not any("group" in m for m in out[n:]):
-            assert time.time() < deadline and not errors, errors
-            time.sleep(0.01)
-        return sum(m["stats"].get("prefill_tokens", 0) for m in out[n:])
-
-    sender = _connect_stream(actor, model)
-    threading.Thread(target=run, daemon=True).start()
-    try:
-        actor.updates.put(_version_only(0))
-        assert prefill_of_next_group(0) == 320
-        assert prefill_of_next_group(1) < 320  # control: same version, the prompt's blocks come from the cache
-        _push(sender, _weight_update(model, 1, probe_ids))
-        deadline = time.time() + 120
-        while actor.version != 1 or actor.weights.probe is not None:
-            assert time.time() < deadline and not errors, errors
-            time.sleep(0.01)
-        assert prefill_of_next_group(2) == 320  # a new policy: the whole prompt is computed again
     finally:
         actor.shutdown()
 
