@@ -219,7 +219,8 @@ class Args:
         "help": "Padded tokens per learner forward pass (0: auto); the memory plan counts it."})
     # bf16 compute, fp32 master weights, optimizer state and gradient reduction (FSDP2 mixed precision, or
     # autocast with one learner)
-    bf16: bool | None = field(default=None, metadata={"help": "Train in bf16 (default: on GPU yes, on CPU no)."})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "Train in bf16 (default: on GPU yes, on CPU no; with it, CPU engines generate in bf16 too)."})
     gradient_checkpointing: bool = field(default=False, metadata={
         "help": "Recompute each decoder layer's activations in backward (Olmo 3 7B think RL: on)."})
     logprob_chunk_size: int = field(default=1024, metadata={

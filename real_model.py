@@ -444,7 +444,7 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
                         prompts[:len(sampled_rows)])
         repeated = [row for row in sampled_rows for _ in range(num_samples)]
         result["sampled"] = summarize(score_responses(repeated, sampled))
-        result.update(num_samples=num_samples, temperature=temperature)
+        result.update(num_samples=num_samples, temperature=temperature, sampled_prompts=len(sampled_rows))
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if out_path:
         with open(out_path, "w") as f:
@@ -569,7 +569,9 @@ def report(summaries: dict[str, str], out_dir: str, rl_metrics: str | None = Non
              ["Prompt-level, greedy (%)"] + pct(lambda r: r["greedy"]["prompt_level"]),
              ["Instruction-level, greedy (%)"] + pct(lambda r: r["greedy"]["instruction_level"])]
     if "sampled" in first:
-        table += [[f"Prompt-level, sampled pass@1 (T={first['temperature']:g}, k={first['num_samples']}) (%)"]
+        some = f", first {first['sampled_prompts']}" if first.get("sampled_prompts", first["greedy"]["num_prompts"]) \
+            < first["greedy"]["num_prompts"] else ""
+        table += [[f"Prompt-level, sampled pass@1 (T={first['temperature']:g}, k={first['num_samples']}{some}) (%)"]
                   + pct(lambda r: r.get("sampled", {}).get("prompt_level")),
                   ["Instruction-level, sampled (%)"] + pct(lambda r: r.get("sampled", {}).get("instruction_level"))]
     for kind in first["greedy"]["by_kind"]:
