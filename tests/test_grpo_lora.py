@@ -1,7 +1,8 @@
 """grpo.py with --lora_rank: the learner trains a peft adapter and only the adapter goes to the engines. Fast: the
-bytes of an update on the real model's shape. Slow, on real vLLM (CPU) with the toy model: torchrun 1 learner + 1
-actor with an actor killed mid-run and --resume from the saved adapter; a colocated run whose engine stops loading
-adapters fails the probe; the prefix cache never serves KV computed under another adapter version."""
+bytes of an update on the real model's shape. Slow, on real vLLM (CPU) with the toy model: torchrun 2 FSDP2 learners
++ 1 actor with an actor killed mid-run, and --resume from the saved adapter as 1 learner + 1 actor; a colocated run
+whose engine stops loading adapters fails the probe; the prefix cache never serves KV computed under another adapter
+version."""
 
 import json
 import os
@@ -25,7 +26,7 @@ def _cmd(model, data, out, *extra):
             "--dataset_mixer_list", os.path.join(data, "rlvr.jsonl"), "1.0", "--eval_every", "0", "--enforce_eager",
             "--report_to", "none", "--max_prompt_length", "128", "--max_response_length", "48", "--max_num_seqs", "32",
             "--num_unique_prompts_per_step", "2", "--num_samples_per_prompt", "4", "--max_prompts_per_step_factor", "2",
-            "--timeout_s", "60", *LORA, *extra]
+            "--timeout_s", "120", *LORA, *extra]  # a TP 2 engine beside its learner on 2 busy cores: ~1 min a step
 
 
 def _by_length(toy_data_dir, tmp_path) -> str:
@@ -70,17 +71,20 @@ def test_lora_update_is_under_5_percent_of_a_full_one_on_the_real_model_shape():
 
 @pytest.mark.slow
 def test_torchrun_lora_actor_killed_then_resume_from_the_adapter(toy_model_dir, toy_data_dir, tmp_path):
-    """torchrun, 1 learner + 1 actor, LoRA rank 8: every update sends the adapter alone (bytes logged, a few % of
-    the model's) and its probe matches; a checkpoint each step holds the peft adapter, not the model. kill -9 the
-    actor: the learner exits with an error naming it. --resume, on an engine of two tensor-parallel workers, continues
-    from the saved adapter for two steps (start step printed; the adapter loaded into learner and engine: the probes
-    after resuming match), removes the killed
-    engine's adapter files, and ends with the adapter and the merged model, which is base + B A x alpha / r."""
+    """torchrun, 2 learners (FSDP2 on gloo, each holding a shard of the peft-wrapped policy) + 1 actor, LoRA rank 8:
+    every update sends the adapter alone, gathered whole from both learners' shards (bytes logged, a few % of the
+    model's), and its probe matches; a checkpoint each step holds the peft adapter, not the model. kill -9 the actor:
+    the learners exit with an error naming it. --resume as 1 learner + 1 actor (the optimizer's state, saved by name
+    by the two learners, loads into one), on an engine of two tensor-parallel workers, continues from the saved
+    adapter for two steps (start step printed; the adapter loaded into learner and engine: the probes after resuming
+    match), removes the killed engine's adapter files, and ends with the adapter and the merged model, which is
+    base + B A x alpha / r."""
     data = _by_length(toy_data_dir, tmp_path)
     out, log_path = str(tmp_path / "run"), tmp_path / "log.txt"
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             *_cmd(toy_model_dir, data, out, "--num_training_steps", "1000", "--save_steps", "1")],
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                             *_cmd(toy_model_dir, data, out, "--num_training_steps", "1000", "--save_steps", "1",
+                                   "--num_learners", "2")],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 300
@@ -88,7 +92,8 @@ def test_torchrun_lora_actor_killed_then_resume_from_the_adapter(toy_model_dir, 
             assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
             time.sleep(0.5)
         text = open(log_path).read()
-        actor_pid = int(text.split("[actor rank 1] pid ")[1].split(":")[0])
+        assert "2 learner(s), 1 actor(s)" in text, text[-3000:]
+        actor_pid = int(text.split("[actor rank 2] pid ")[1].split(":")[0])
         os.kill(actor_pid, signal.SIGKILL)
         rc = proc.wait(timeout=90)
     finally:
@@ -100,6 +105,9 @@ def test_torchrun_lora_actor_killed_then_resume_from_the_adapter(toy_model_dir, 
     rows = _train_rows(out)  # the killed run may have logged a step after its last checkpoint: resuming logs it again
     full = os.path.getsize(os.path.join(toy_model_dir, "model.safetensors"))
     assert rows and all(0 < r["sync/update_bytes"] < 0.06 * full for r in rows), (full, rows[0])
+    # the two learners' adapter shards, gathered, are what the engine serves: the probes match (checks > 0: a run
+    # whose every probe was skipped would pass the next line on nothing)
+    assert sum(r["sync/probe_checks"] for r in rows) >= 1, rows
     assert all(r["sync/probe_max_abs_diff"] < 2e-3 for r in rows if r["sync/probe_checks"])
     last = grpo.latest_checkpoint(out)
     assert sorted(f for f in os.listdir(last) if f.startswith(("adapter", "model"))) == [
@@ -112,10 +120,10 @@ def test_torchrun_lora_actor_killed_then_resume_from_the_adapter(toy_model_dir, 
     with open(tmp_path / "resumed.txt", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              *_cmd(toy_model_dir, data, out, "--num_training_steps", str(step + 2), "--resume",
-                                  "--vllm_tensor_parallel_size", "2", "--seed", "2")],
+                                  "--vllm_tensor_parallel_size", "2", "--seed", "2", "--num_learners", "1")],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=400).returncode
     text = open(tmp_path / "resumed.txt").read()
-    assert rc == 0 and f"start step {step}" in text, text[-3000:]
+    assert rc == 0 and f"start step {step}" in text and "1 learner(s), 1 actor(s)" in text, text[-3000:]
     after = _train_rows(out)[len(rows):]
     assert [r["step"] for r in after] == [step + 1, step + 2], after
     assert sum(r["sync/probe_checks"] for r in after) >= 1 and all(r["sync/probe_max_abs_diff"] < 2e-3 for r in after)
