@@ -417,8 +417,9 @@ def evaluate(model_dir: str, eval_path: str, out_path: str | None = None, max_to
              num_samples: int = 4, temperature: float = 1.0, seed: int = 0, limit: int | None = None,
              enforce_eager: bool = False, dtype: str = "float32", sample_limit: int | None = None) -> dict:
     """Greedy responses to the held-out prompts (and `num_samples` sampled ones at `temperature` for the first
-    `sample_limit` of them: pass@1 as RL sees it), scored; the greedy responses and their scores go to `out_path` (jsonl). Uses vLLM, as the RL
-    actor does: 135M parameters x 200 prompts x a few hundred tokens is minutes with plain generate on a CPU."""
+    `sample_limit` of them: pass@1 as RL sees it), scored; the greedy responses and their scores go to `out_path`
+    (jsonl). Uses vLLM, as the RL actor does: 135M parameters x 200 prompts x a few hundred tokens is minutes with
+    plain generate on a CPU."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -649,15 +650,12 @@ def speed_report(model_dir: str, rlvr_path: str, metrics_path: str, num_params: 
     measured here), and the weight sync."""
     import torch
 
+    from grpo import measure_peaks
+
     rl = rl_speed(metrics_path)
     alone = standalone_generation(model_dir, rlvr_path, **engine)
-    torch.set_num_threads(1)
-    a, b = torch.randn(1536, 1536, dtype=torch.bfloat16), torch.randn(1536, 1536, dtype=torch.bfloat16)
-    torch.mm(a, b)
-    t0 = time.perf_counter()
-    for _ in range(8):
-        torch.mm(a, b)
-    peak = 8 * 2 * 1536 ** 3 / (time.perf_counter() - t0)
+    torch.set_num_threads(1)  # the learner's one core (this process is pinned to one by standalone_generation)
+    peak = measure_peaks("cpu", dtype=torch.bfloat16)[0]
     mfu = 6 * num_params * rl["learner_tokens_per_s"] / peak
     return "\n".join([
         f"actor during RL: {rl['actor_tokens_per_s']:.0f} generated tokens/s over wall time "
