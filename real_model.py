@@ -13,6 +13,8 @@ every script loads with `from_pretrained` (nothing here reads the Hugging Face H
     python real_model.py eval MODEL_DIR OUT_DIR/eval.jsonl --out responses.jsonl --summary eval.json
     python real_model.py pairs MODEL_DIR OUT_DIR/rlvr.jsonl preference.jsonl   # DPO pairs from its own samples
     python real_model.py report --stage base=eval.json --stage DPO=... --out_dir DIR   # demo_real.sh's table
+    python real_model.py speed MODEL_DIR OUT_DIR/rlvr.jsonl RL_DIR/metrics.jsonl   # the actor against vLLM alone
+    python real_model.py vs_trl MODEL_DIR OUT_DIR/rlvr.jsonl DIR   # TRL's GRPOTrainer, then grpo.py: completions/s
 
 The conversion is checked before anything is written as done: the directory's logits equal the GGUF-loaded
 model's on a fixed prompt, its tokenizer encodes a text as the GGUF one does, the embeddings stay tied, and
@@ -671,6 +673,144 @@ def speed_report(model_dir: str, rlvr_path: str, metrics_path: str, num_params: 
         f"weight sync {rl['weight_sync_s']:.2f} s an update"])
 
 
+def trl_grpo(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, prompts_per_step: int = 8,
+             num_samples: int = 4, max_tokens: int = 192, learning_rate: float = 2e-5, seed: int = 0,
+             micro_batch: int = 0) -> dict:
+    """TRL's GRPOTrainer on the same task, for item 5's side by side: its fastest path here, vLLM colocated in
+    this process (bf16, eager, the actor's 1 GiB KV cache), bf16 autocast over fp32 weights as grpo.py trains, one
+    generation of prompts_per_step x num_samples completions per optimizer step, trained in micro-batches of
+    `micro_batch` (0: all at once), no reference model (beta 0). Needs `pip install --no-deps trl==1.16.0` (not a
+    requirement of this repository). Two changes to TRL, both for vLLM's CPU build: the engine's dtype and eager
+    mode are passed in, and the colocated weight sync, which calls the model's `load_weights` (vLLM 0.32's CPU engine
+    has dropped the parameters' loaders after its first load: AttributeError 'weight_loader'), goes through vLLM's
+    public in-place reload (`reload_weights`) instead. Returns completions/s over the steps after the first (which
+    warms everything up) and the timed steps' mean completion length."""
+    import datasets
+    import torch
+
+    try:
+        import trl
+        import trl.generation.vllm_generation as trl_vllm
+    except ImportError as e:
+        raise SystemExit(f"real_model.py trl needs TRL ({e}): pip install --no-deps trl==1.16.0") from e
+    from transformers import TrainerCallback
+
+    import verifiers
+
+    engine_cls = trl_vllm.LLM
+
+    def cpu_engine(**kwargs):
+        kwargs.pop("gpu_memory_utilization", None)
+        return engine_cls(**kwargs, dtype=torch.bfloat16, enforce_eager=True, kv_cache_memory_bytes=1 << 30,
+                          enable_prefix_caching=True)
+
+    def sync_weights(self):  # vLLM's public in-place reload, in this process (no copy between processes)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(self._iter_named_params())})
+        self.llm.reset_prefix_cache()
+
+    trl_vllm.LLM = cpu_engine
+    trl_vllm.VLLMGeneration.sync_weights = sync_weights
+
+    def ifeval_reward(completions, ground_truth, verifier, **_):
+        return [verifiers.verify_row(v, c[-1]["content"], gt).score
+                for c, gt, v in zip(completions, ground_truth, verifier)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.ends, self.lengths, self.zero_std = [], [], []
+
+        def on_step_end(self, *_, **__):
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+                self.zero_std.append(logs["frac_reward_zero_std"])
+
+    batch = prompts_per_step * num_samples  # one generation a step, trained in batch // micro_batch micro-batches
+    rows = datasets.load_dataset("json", data_files=rlvr_path, split="train")
+    rows = rows.map(lambda r: {"prompt": r["messages"]}, remove_columns=["messages"])
+    config = trl.GRPOConfig(
+        output_dir=out_dir, use_cpu=True, bf16=True, max_steps=steps, learning_rate=learning_rate,
+        lr_scheduler_type="constant", seed=seed, num_generations=num_samples,
+        per_device_train_batch_size=micro_batch or batch, gradient_accumulation_steps=batch // (micro_batch or batch),
+        max_completion_length=max_tokens, temperature=1.0, beta=0.0, use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=512, logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0)
+    clock = StepClock()
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=ifeval_reward, args=config, train_dataset=rows,
+                              callbacks=[clock])
+    trainer.train()
+    seconds = clock.ends[-1] - clock.ends[0]
+    timed = range(1, len(clock.ends))
+    return {"completions_per_s": len(timed) * batch / seconds,
+            "trained_with_signal_per_s": sum(batch * (1 - clock.zero_std[i]) for i in timed) / seconds,
+            "steps_timed": len(timed), "seconds": round(seconds, 1),
+            "mean_completion_tokens": sum(clock.lengths[i] for i in timed) / len(timed), "trl": trl.__version__}
+
+
+def grpo_speed(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, prompts_per_step: int = 8,
+               num_samples: int = 4, max_tokens: int = 192, learning_rate: float = 2e-5, seed: int = 0) -> dict:
+    """grpo.py on the settings of trl_grpo, as demo_real.sh runs it (torchrun: 1 learner rank + 1 vLLM actor rank,
+    one core each, bf16, eager), no held-out evaluation. completions/s: every completion the actor generated and
+    the verifier scored, over the steps after the first; trained_with_signal: the samples of groups whose rewards
+    differ (active sampling trains only those; the others carry no GRPO gradient)."""
+    from toy import read_metrics
+
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py",
+                    "--num_learners", "1", "--model_name_or_path", model_dir, "--output_dir", out_dir,
+                    "--overwrite_output_dir", "--dataset_mixer_list", rlvr_path, "1.0", "--learning_rate",
+                    str(learning_rate), "--lr_scheduler_type", "constant", "--max_prompt_length", "128",
+                    "--max_num_seqs", "32", "--logging_steps", "1", "--seed", str(seed), "--num_training_steps",
+                    str(steps), "--num_unique_prompts_per_step", str(prompts_per_step), "--num_samples_per_prompt",
+                    str(num_samples), "--max_response_length", str(max_tokens), "--enforce_eager", "--bf16", "true",
+                    "--save_steps", "0"], check=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})  # grpo.py gives each rank its core
+    rows = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if r.get("kind") == "train"]
+    seconds = rows[-1]["time"] - rows[0]["time"]
+    timed = rows[1:]
+    return {"completions_per_s": sum(r["rollout/samples_scored"] for r in timed) / seconds,
+            "trained_with_signal_per_s": sum(r["rollout/samples"] for r in timed) / seconds,
+            "steps_timed": len(timed), "seconds": round(seconds, 1),
+            "mean_completion_tokens": sum(r["rollout/response_length"] for r in timed) / len(timed)}
+
+
+def compare_trl(model_dir: str, rlvr_path: str, out_dir: str, trl_micro_batch: int = 8, **settings) -> str:
+    """Item 5's side by side: TRL's GRPOTrainer (trl_grpo, in a process of its own, micro-batches of
+    `trl_micro_batch` completions: 0.42 completions/s here against 0.35 with the step's 32 in one) then grpo.py
+    (grpo_speed), the same model, prompts, reward, samples and lengths, one after the other on the same machine."""
+    os.makedirs(out_dir, exist_ok=True)
+    trl_json = os.path.join(out_dir, "trl.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "trl", model_dir, rlvr_path,
+                    os.path.join(out_dir, "trl"), "--json", trl_json, f"--trl_micro_batch={trl_micro_batch}"]
+                   + [f"--{k}={v}" for k, v in settings.items()], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))})  # every core, in turn
+    with open(trl_json) as f:
+        theirs = json.load(f)
+    ours = grpo_speed(model_dir, rlvr_path, os.path.join(out_dir, "grpo"), **settings)
+    with open(os.path.join(out_dir, "grpo.json"), "w") as f:
+        json.dump(ours, f, indent=1)
+    return trl_table(theirs, ours)
+
+
+def trl_table(theirs: dict, ours: dict) -> str:
+    """compare_trl's figures side by side, and grpo.py's over TRL's."""
+    rows = [(f"TRL {theirs['trl']} (vLLM colocated)", theirs), ("grpo.py (1 + 1 ranks)", ours)]
+    lines = [f"{'':<28} {'completions/s':>13} {'tokens/s':>9} {'with signal/s':>13} {'mean tokens':>11} {'seconds':>8}"]
+    for name, r in rows:
+        lines.append(f"{name:<28} {r['completions_per_s']:>13.2f} {generated_tokens_per_s(r):>9.1f} "
+                     f"{r['trained_with_signal_per_s']:>13.2f} {r['mean_completion_tokens']:>11.0f} "
+                     f"{r['seconds']:>8.0f}")
+    lines.append(f"grpo.py / TRL over {ours['steps_timed']} steps each: completions/s "
+                 f"{ours['completions_per_s'] / theirs['completions_per_s']:.2f}x, generated tokens/s "
+                 f"{generated_tokens_per_s(ours) / generated_tokens_per_s(theirs):.2f}x, trained completions with "
+                 f"signal/s {ours['trained_with_signal_per_s'] / max(theirs['trained_with_signal_per_s'], 1e-9):.2f}x")
+    return "\n".join(lines)
+
+
+def generated_tokens_per_s(figures: dict) -> float:
+    return figures["completions_per_s"] * figures["mean_completion_tokens"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -717,6 +857,22 @@ def main():
     p.add_argument("--max_num_seqs", type=int, default=32, help="as the run's --max_num_seqs")
     p.add_argument("--max_model_len", type=int, default=320, help="the run's prompt + response lengths")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="as the run's engine")
+    for name, help_text in [("vs_trl", "TRL's GRPOTrainer, then grpo.py on the same settings: completions/s"),
+                            ("trl", "TRL's GRPOTrainer alone (vs_trl runs it in a process of its own)")]:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("model_dir", help="the model both start from")
+        p.add_argument("rlvr_path", help="the RL prompts")
+        p.add_argument("out_dir")
+        p.add_argument("--steps", type=int, default=6, help="optimizer steps (completions/s counts all but the first)")
+        p.add_argument("--prompts_per_step", type=int, default=8)
+        p.add_argument("--num_samples", type=int, default=4, help="completions per prompt")
+        p.add_argument("--max_tokens", type=int, default=192, help="completion tokens at most")
+        p.add_argument("--learning_rate", type=float, default=2e-5)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--trl_micro_batch", type=int, default=8,
+                       help="TRL trains each step's completions in micro-batches of this many (0: all in one)")
+        if name == "trl":
+            p.add_argument("--json", required=True, help="write the figures here")
     p = sub.add_parser("report", help="the stages' table from their eval summaries")
     p.add_argument("--stage", action="append", required=True, help="NAME=SUMMARY_JSON, in table order")
     p.add_argument("--out_dir", required=True)
@@ -751,6 +907,15 @@ def main():
         print(speed_report(args.model_dir, args.rlvr_path, args.rl_metrics, num_params, num_prompts=args.num_prompts,
                            num_samples=args.num_samples, max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
                            max_model_len=args.max_model_len, dtype=args.dtype))
+    elif args.cmd in ("trl", "vs_trl"):
+        settings = dict(steps=args.steps, prompts_per_step=args.prompts_per_step, num_samples=args.num_samples,
+                        max_tokens=args.max_tokens, learning_rate=args.learning_rate, seed=args.seed)
+        if args.cmd == "trl":
+            with open(args.json, "w") as f:
+                json.dump(trl_grpo(args.model_dir, args.rlvr_path, args.out_dir, micro_batch=args.trl_micro_batch,
+                                   **settings), f, indent=1)
+        else:
+            print(compare_trl(args.model_dir, args.rlvr_path, args.out_dir, args.trl_micro_batch, **settings))
     elif args.cmd == "report":
         print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir, args.rl_metrics) + "\n")
 
