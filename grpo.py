@@ -2763,7 +2763,7 @@ def main():
     if world_size > 1 and not use_cuda and args.cpu_affinity:  # before gloo and vLLM start their threads
         cores = pin_cpu_cores(local_rank, not is_learner, args.vllm_tensor_parallel_size)
         print(f"[rank {rank}] pinned to CPU cores {cores}" if cores
-              else f"[rank {rank}] not pinned to cores (fewer cores than ranks on this node, "
+              else f"[rank {rank}] not pinned to cores (alone on this node, fewer cores than ranks on it, "
                    "or VLLM_CPU_OMP_THREADS_BIND is set)", flush=True)
     if world_size > 1:
         if use_cuda:
@@ -3342,12 +3342,20 @@ def pin_cpu_cores(local_rank: int, is_actor: bool, tensor_parallel: int = 1) -> 
     itself now, before gloo starts threads (they inherit it). An actor only tells vLLM's worker where
     to bind its OpenMP threads, and pins itself and vLLM's processes once the engine is up
     (pin_process_tree): the engine's start (two processes importing and loading) took 43 s on one
-    core against 32 s unpinned, while the learner waits for it anyway."""
+    core against 32 s unpinned, while the learner waits for it anyway.
+    An actor with no share of its own (alone on its node in a multi-node launch, or on a node with fewer cores
+    than ranks) still binds a tensor-parallel engine's workers, each to its share of all the node's cores: vLLM's
+    "auto" binding gives each worker a NUMA node of its own and refuses to start with fewer nodes than workers."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    mine = (split_cores(sorted(os.sched_getaffinity(0)), local_rank, local_world)
-            if hasattr(os, "sched_setaffinity") else None)
-    if mine is None or (is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
-        return None  # too few cores to split, or the user binds vLLM's threads themselves
+    if is_actor and os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return None  # the user binds vLLM's threads themselves
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    mine = split_cores(cores, local_rank, local_world)
+    if mine is None and is_actor and tensor_parallel > 1 and cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(cores, tensor_parallel)
+        return cores if local_world == 1 else None  # alone: the node's cores are its own; else it shares them
+    if mine is None:
+        return None  # alone on the node, or too few cores to split
     if is_actor:  # vLLM's "auto" binding would hold one core back for its scheduler
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(mine, tensor_parallel)
     else:

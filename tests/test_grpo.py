@@ -257,6 +257,30 @@ def test_split_cores_gives_each_local_rank_its_own_share():
     assert sorted(c for s in shares for c in s) == list(range(16)) and [len(s) for s in shares] == [6, 5, 5]
 
 
+def test_an_actor_without_a_share_of_cores_binds_each_tensor_parallel_worker(monkeypatch):
+    """vLLM's "auto" binding gives each tensor-parallel worker a NUMA node of its own and refuses to start with fewer
+    nodes than workers. An actor alone on its node (a multi-node launch) takes all the node's cores, each worker a
+    share; one on a node with fewer cores than ranks binds its workers the same way, pinned nowhere. A learner alone
+    on its node and a one-worker engine stay as they were (unpinned; vLLM's own binding)."""
+    pinned = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 4, 6, 5})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(sorted(cores)))
+
+    def pin(local_world, local_rank, is_actor, tensor_parallel):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+        cores = grpo.pin_cpu_cores(local_rank, is_actor, tensor_parallel)
+        return cores, os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+    assert pin(1, 0, True, 2) == ([4, 5, 6, 7], "4,5|6,7")  # alone on its node
+    assert pin(1, 0, True, 8) == ([4, 5, 6, 7], "|".join(["4,5,6,7"] * 8))  # more workers than cores: each all
+    assert pin(5, 4, True, 2) == (None, "4,5|6,7")  # fewer cores than ranks: bound, not pinned
+    assert pin(2, 1, True, 2) == ([6, 7], "6|7")  # its own share, as before
+    assert pin(1, 0, True, 1) == (None, None) and pin(1, 0, False, 2) == (None, None) and not pinned
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's own binding stays
+    assert grpo.pin_cpu_cores(0, True, 2) is None and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
 def test_advantages():
     assert grpo.compute_advantages([[1, 0, 0, 1]], "centered") == [[0.5, -0.5, -0.5, 0.5]]
     std = grpo.compute_advantages([[1, 0, 0, 1], [1, 1]], "standard")
