@@ -263,6 +263,9 @@ def test_an_actor_without_a_share_of_cores_binds_each_tensor_parallel_worker(mon
     share; one on a node with fewer cores than ranks binds its workers the same way, pinned nowhere. A learner alone
     on its node and a one-worker engine stay as they were (unpinned; vLLM's own binding)."""
     pinned = []
+    # recorded now, so that teardown removes what pin_cpu_cores sets (a delenv of an absent name records nothing, and
+    # a later one would record the value set here: a binding to cores 4-7 left behind broke every later vLLM start)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 4, 6, 5})
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: pinned.append(sorted(cores)))
 
@@ -279,6 +282,15 @@ def test_an_actor_without_a_share_of_cores_binds_each_tensor_parallel_worker(mon
     assert pin(1, 0, True, 1) == (None, None) and pin(1, 0, False, 2) == (None, None) and not pinned
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the user's own binding stays
     assert grpo.pin_cpu_cores(0, True, 2) is None and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+OMP_BIND_AT_IMPORT = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
+def test_the_binding_test_leaves_no_binding_behind():
+    """Runs after the test above (file order): vLLM's engines started later in this process must not inherit its
+    binding to cores this machine may not have."""
+    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == OMP_BIND_AT_IMPORT
 
 
 def test_advantages():
