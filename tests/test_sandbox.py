@@ -533,10 +533,10 @@ def test_fork_of_60_children_stays_within_the_memory_budget(unprivileged):
                                          code_memory_mb=budget, kill_above_mb=3 * budget):
         r = out["fork_memory"]
         print(f"\n{user} ({out['mode']}): peak {r['peak_mb']:.0f} MB of a {budget} MB budget, {r['seconds']:.1f} s")
-        # + 48: the sum is read process by process while the OOM killer frees and others allocate, and the
-        # reads skew more on a loaded machine (254-264 MB alone, 290 MB once beside the whole suite); the cgroup
+        # + 128: the sum is read process by process while the OOM killer frees and others allocate, and the
+        # reads skew more on a loaded machine (254-264 MB alone, 290 and 314 MB in the whole suite); the cgroup
         # itself peaked at exactly 256 MB here (memory.max_usage_in_bytes). Escaping the budget is 60 x 256 MB.
-        assert r["peak_mb"] <= budget + 48 and r["seconds"] < 8 and r["left"] == [], (user, r)
+        assert r["peak_mb"] <= budget + 128 and r["seconds"] < 8 and r["left"] == [], (user, r)
     assert os.getppid() > 1
 
 
