@@ -293,6 +293,68 @@ def test_the_binding_test_leaves_no_binding_behind():
     assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == OMP_BIND_AT_IMPORT
 
 
+LEND_SCRIPT = """
+import json, os, sys, threading, time, types
+own, lent = int(sys.argv[1]), int(sys.argv[2])
+os.sched_setaffinity(0, [own])  # as a learner pins itself (pin_cpu_cores): before any other thread starts
+import torch
+import grpo
+torch.set_num_threads(1)
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()  # a thread made while on the own core only
+link = types.SimpleNamespace(idle_cores={})  # what Link keeps from the actors' idle / busy messages
+
+
+def state():
+    x = torch.randn(256, 256)
+    (x @ x).sum().item()  # the compute pool runs (and makes its threads) on what it has now
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}), \\
+        torch.get_num_threads()
+
+
+cores, out = grpo.IdleCores(link), {}
+out["own"] = state()
+cores.adjust()
+out["nothing idle"] = state()
+link.idle_cores[1] = [lent]
+cores.adjust()
+out["actor idle"] = state()
+time.sleep(0.2)
+link.idle_cores.pop(1)
+cores.adjust()
+out["actor busy"] = state()
+link.idle_cores[1] = [lent, own]  # an actor sharing a core with the learner lends only the other
+cores.adjust()
+time.sleep(0.2)
+out["lent_s"] = cores.restore()
+out["restored"] = state()
+out["never"] = grpo.IdleCores(None).restore()
+print(json.dumps(out))
+"""
+
+
+def test_one_learner_computes_on_an_idle_actors_cores_and_gives_them_back():
+    """IdleCores, as learner 0 runs it before each forward pass: while an actor's engine is idle (its message in the
+    link), every thread of the learner's process may run on that actor's cores too and the compute pool has a thread
+    more per lent core; once the engine runs again, the learner is back on its own core with its own thread count
+    (the pool's extra thread too, not only the thread that asked). restore() gives the cores back at the end of a
+    step and says how long they were lent. In a process of its own: it pins every thread of that process."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    own, lent = cores[0], cores[1]
+    proc = subprocess.run([sys.executable, "-c", LEND_SCRIPT, str(own), str(lent)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    alone, both = [[[own]], 1], [[sorted([own, lent])], 2]
+    assert out["own"] == alone and out["nothing idle"] == alone
+    assert out["actor idle"] == both
+    assert out["actor busy"] == alone
+    assert out["restored"] == alone
+    assert 0.4 <= out["lent_s"] < 60, out["lent_s"]  # the two lendings of 0.2 s and more, summed
+    assert out["never"] == 0.0
+
+
 def test_advantages():
     assert grpo.compute_advantages([[1, 0, 0, 1]], "centered") == [[0.5, -0.5, -0.5, 0.5]]
     std = grpo.compute_advantages([[1, 0, 0, 1], [1, 1]], "standard")
@@ -1275,6 +1337,33 @@ def test_prefix_cache_is_reused_only_within_a_policy_version(streamed_actor):
 
 
 @pytest.mark.slow
+def test_an_idle_engine_says_so_and_says_when_it_runs_again(streamed_actor):
+    """The actor's half of lending idle cores (IdleCores): an engine with nothing to run tells learner 0 so once it
+    has been idle 0.2 s, and says it runs again with its first step, before its samples come back; one message per
+    change, never one per loop. (Before the inflight test, which ends this engine's loop.)"""
+    s = streamed_actor
+    actor, out, errors = s.actor, s.out, s.errors
+    said = []
+    actor.on_idle = said.append
+    try:
+        deadline = time.time() + 60
+        while said != [True]:  # nothing runs: idle
+            assert time.time() < deadline and not errors and len(said) < 2, (said, errors)
+            time.sleep(0.01)
+        n = len(out)
+        actor.inbox.put([{"kind": "train", "index": 90, "prompt_ids": [5, 6, 7, 8], "ground_truth": "1",
+                          "verifier": "math", "n": 2, "max_tokens": [24, 24], "ignore_eos": True}])
+        while not any("group" in m for m in out[n:]):
+            assert time.time() < deadline and not errors, errors
+            time.sleep(0.005)
+        assert said[:2] == [True, False], said  # busy was said while the group ran
+        time.sleep(0.5)
+        assert said == [True, False, True], said  # idle again, once
+    finally:
+        actor.on_idle = None
+
+
+@pytest.mark.slow
 def test_inflight_update_running_requests_finish_under_new_weights(streamed_actor, toy_model_dir):
     """Requests running when new weights stream in are neither aborted nor restarted: their early tokens
     keep the old model's logprobs, their later tokens have the new model's, token for token, and vLLM
@@ -1452,7 +1541,8 @@ def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_dat
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps), "--eval_every",
                        str(steps), "--dataset_mixer_list", str(data), "1.0", "--inflight_updates", "false",
                        "--async_steps", str(bound), "--num_unique_prompts_per_step", "2", "--num_learners", "1",
-                       "--num_samples_per_prompt", "4", "--learning_rate", "1e-5", "--pack_length", "1024")
+                       "--num_samples_per_prompt", "4", "--learning_rate", "1e-5", "--pack_length", "1024",
+                       "--lend_idle_cores", "false")  # faster on lent cores, the learner made the engine ask at every step
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
                    cwd=REPO, check=True, timeout=600)
     train = [r for r in _metrics(out) if "rollout/groups" in r]
