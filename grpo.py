@@ -65,6 +65,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import importlib.util
 import inspect
 import json
@@ -229,6 +230,10 @@ class Args:
     # Without it vLLM's engine process busy-polls its worker and starves the learner of a core
     cpu_affinity: bool = field(default=True, metadata={
         "help": "CPU only: give each rank on a node its own share of the cores."})
+    # Without it, the last groups of a step often waited behind the gate until the learner had finished (look_ahead)
+    release_ahead: bool = field(default=True, metadata={
+        "help": "torchrun, inflight updates: once the engines have nothing to run while the learner trains, start now "
+                "the gated prompts the coming steps will still miss (within the off-policy bound)."})
     # One learner pinned beside its actors on 2 cores (SmolLM2-135M): it trains about 60% faster on both, and the
     # actor sits idle for over half of each step waiting on the off-policy bound (IdleCores)
     lend_idle_cores: bool = field(default=True, metadata={
@@ -289,7 +294,11 @@ def one_step(args: Args, layout: "Layout", policy: "Policy", rollouts: "Rollouts
     t, pad_id = time.perf_counter(), policy.tokenizer.pad_token_id or 0
     minibatches = [([collate_forward(forward, pad_id) for forward in shares[layout.rank]], num_tokens)
                    for shares, num_tokens in plan]
-    out["agg"], out["grad_norms"], out["learner_tokens"] = train_on(policy, minibatches, args, layout.num_learners)
+    look_ahead = None
+    if rollouts is not None and args.release_ahead and loads_inflight(args):
+        look_ahead = functools.partial(rollouts.look_ahead, version, transfer.client.streamed)
+    out["agg"], out["grad_norms"], out["learner_tokens"] = train_on(policy, minibatches, args, layout.num_learners,
+                                                                    look_ahead)
     out["train_time"] = time.perf_counter() - t
     out["streams"] = stream_now(args, layout, transfer.client, version + 1, evaluates)
     out["sync"] = (sync_weights(args, policy, layout, transfer, probe_ids, version + 1, full=True) if out["streams"]
@@ -879,7 +888,7 @@ class Actor:
         self.release = -1  # training prompts with a smaller index are needed now: no version gate
         self.static_batch = math.ceil(args.num_unique_prompts_per_step / num_actors)  # prompts per static batch
         self.busy_since = None  # when the call into the engine now running began (None: none runs)
-        self.on_idle = None  # torchrun on CPU: told True once the engine sat idle a moment, False when it runs again
+        self.on_idle = None  # torchrun: told True once the engine sat idle a moment, False when it runs again
         self.idle_from, self.said_idle = None, False
 
     @property
@@ -1073,8 +1082,8 @@ class Actor:
         self.meter.busy(time.perf_counter() - t, running, tools_running, batch_done=self.drained())
 
     def _say_idle(self, idle: bool):
-        """Tell learner 0 (IdleCores) once the engine has had nothing to run for 0.2 s (it waits on the off-policy
-        bound), and again as soon as it runs: the learner computes on this rank's cores meanwhile."""
+        """Tell learner 0 once the engine has had nothing to run for 0.2 s (it waits on the off-policy bound), and
+        again as soon as it runs (Rollouts.look_ahead, IdleCores)."""
         if self.on_idle is None:
             return
         if not idle:
@@ -1121,9 +1130,10 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     actor = Actor(args, model_path, rank - num_learners, outbox.put, device, dist.get_world_size() - num_learners)
     if cores:  # the engine is up: from now on it shares only this rank's cores (see pin_cpu_cores)
         pin_process_tree(cores)
-        if args.lend_idle_cores:  # learner 0 computes on them while the engine has nothing to run (IdleCores)
-            host = socket.gethostname()
-            actor.on_idle = lambda idle: outbox.put({"idle": idle, "rank": rank, "cores": cores, "host": host})
+    # Learner 0 hears when the engine has nothing to run: it releases gated prompts the next step will miss
+    # (Rollouts.look_ahead), and on CPU computes on this rank's cores meanwhile (IdleCores)
+    lent, host = (cores if args.lend_idle_cores else None), socket.gethostname()
+    actor.on_idle = lambda idle: outbox.put({"idle": idle, "rank": rank, "cores": lent, "host": host})
     # The engine is up: say so, then join learner 0's weight stream with its first call. Learner 0 opens the
     # stream's rendezvous only once every engine said so (WeightClient.wait_for_engines), so no engine's start time
     # counts against vLLM's fixed store limit.
@@ -1253,6 +1263,8 @@ class Link:
         self.wants = {}  # actor rank -> the version whose successor it asked for (drained updates)
         self.ready = set()  # actor ranks whose engine is up
         self.drained = {}  # actor rank -> the last version it drained for (drained updates)
+        self.idle = {}  # actor rank -> the number of idle messages heard when it said so, while its engine is idle
+        self.idle_said = 0
         self.idle_cores = {}  # actor rank -> its cores on this machine, while its engine sits idle (IdleCores)
         if local_actor is None:
             for r in actor_ranks:
@@ -1275,10 +1287,7 @@ class Link:
                     self.drained[rank] = msg["drained"]
                     continue
                 if "idle" in msg:
-                    if msg["idle"] and msg["host"] == socket.gethostname():
-                        self.idle_cores[rank] = msg["cores"]
-                    else:
-                        self.idle_cores.pop(rank, None)
+                    self.on_idle(rank, msg)
                     continue
                 self.error = self.error or msg.get("error")
                 self.results.put(msg)
@@ -1288,6 +1297,17 @@ class Link:
             if not self.closing.is_set():
                 self.error = self.error or f"link to actor rank {rank}: {e}"
                 self.results.put({"error": f"link to actor rank {rank}: {e}"})
+
+    def on_idle(self, rank: int, msg: dict):
+        """An actor's engine has nothing to run (msg["idle"]) or runs again; its cores, where it lends them."""
+        if msg["idle"]:
+            self.idle_said += 1
+            self.idle[rank] = self.idle_said
+            if msg["cores"] and msg["host"] == socket.gethostname():
+                self.idle_cores[rank] = msg["cores"]
+        else:
+            self.idle.pop(rank, None)
+            self.idle_cores.pop(rank, None)
 
     def wait_for_actors(self, done, timeout_s: float, what: str):
         """Wait until done() holds, at most timeout_s; an actor's error or the timeout ends the wait with an error
@@ -1365,6 +1385,7 @@ class Dispatcher(threading.Thread):
         # the learner's step, groups it still misses
         self.version, self.need = version, args.num_unique_prompts_per_step
         self.release, self.release_sent = -1, -1
+        self.labels = {}  # training prompt index -> its min_version, for those not yet consumed (release_gated)
         self.length_rng = random.Random(args.seed)  # the benchmark's response lengths (prompt)
 
     def prompt(self, i: int, kind: str, row: dict, n: int, min_version: int | None = None) -> dict:
@@ -1400,6 +1421,17 @@ class Dispatcher(threading.Thread):
                     self.release = max(self.release, self.done + need)
             self.cond.notify()
 
+    def release_gated(self, n: int):
+        """Let the first n prompts the gate still holds start now (Rollouts.look_ahead): release past them, or past
+        prompts not sent yet when the gate holds fewer."""
+        with self.cond:
+            self.labels = {i: v for i, v in self.labels.items() if i >= self.done}
+            gated = sorted(i for i, v in self.labels.items() if v > self.version and i >= self.release)
+            release = gated[n - 1] + 1 if len(gated) >= n else max(self.position, self.release) + n - len(gated)
+            if release > self.release:
+                self.release = release
+                self.cond.notify()
+
     def begin_step(self, version: int):
         """The learner starts training on `version` (its weights are on their way to the actors)."""
         with self.cond:
@@ -1429,6 +1461,8 @@ class Dispatcher(threading.Thread):
                 for _ in range(free):
                     a = self.sent.index(min(self.sent))
                     mv = admission_version(self.position, version, done, need, P, K, rate)
+                    with self.cond:
+                        self.labels[self.position] = mv
                     per_actor[a].append(self.prompt(self.position, "train", self.row(self.position),
                                                     self.args.num_samples_per_prompt, mv))
                     self.sent[a] += 1
@@ -2401,6 +2435,8 @@ class Rollouts:
     def __init__(self, args: Args, link: Link, dispatcher: Dispatcher, score):
         self.args, self.link, self.dispatcher, self.score = args, link, dispatcher, score
         self.stash, self.surplus, self.pending_stats, self.infra_streak = [], [], [], 0
+        self.ahead_counts = Counter()  # what scoring the groups look_ahead took counted: the next step's
+        self.released_at = -1  # the link's idle count when look_ahead last released prompts
 
     def pull(self, timeout_s: float, kind: str = "train") -> list[dict]:
         """The next finished groups of `kind` (blocks up to timeout_s); groups of the other kind wait in
@@ -2417,23 +2453,59 @@ class Rollouts:
                     raise TimeoutError(f"no finished group from any actor in {timeout_s:.0f}s (--timeout_s): "
                                        f"{self.link.silent_actors()}")
                 continue
-            while msg is not None:  # everything already waiting, then return
-                if "error" in msg:
-                    raise RuntimeError(f"actor failed: {msg['error']}")
-                if "group" in msg:
-                    self.pending_stats.append(msg["stats"])
-                    (out if msg["group"]["kind"] == kind else self.stash).append(msg["group"])
+            out += self._take_waiting(msg, kind)
+        return out
+
+    def _take_waiting(self, msg: dict | None, kind: str) -> list[dict]:
+        """`msg` and every message already waiting: the groups of `kind`; the others' go to `stash`."""
+        out = []
+        while True:
+            if msg is None:
                 try:
                     msg = self.link.results.get_nowait()
                 except queue.Empty:
-                    msg = None
-        return out
+                    return out
+            if "error" in msg:
+                raise RuntimeError(f"actor failed: {msg['error']}")
+            if "group" in msg:
+                self.pending_stats.append(msg["stats"])
+                (out if msg["group"]["kind"] == kind else self.stash).append(msg["group"])
+            msg = None
+
+    def look_ahead(self, version: int, engines_version: int):
+        """While the learner trains step `version` (between its forward passes): score the training groups that
+        arrived (the coming steps take them first, as surplus), and once every engine has nothing left to run while
+        they hold fewer groups with gradient than the steps the engines' weights may still generate for, release
+        that many of the prompts the gate holds, so they run now instead of after the learner's step. Measured
+        without it (SmolLM2-135M, 8 prompts a step, about 60% of them useful): in a third of the steps the last
+        groups were behind the gate when the learner finished, and it waited 28-35 s for a whole generation of them.
+        The bound: the engines hold `engines_version`, whose samples may train up to step engines_version +
+        async_steps; with fewer useful groups than those steps take, the first short one among them trains on the
+        released prompts (a group a step leaves over waits for the next, as any surplus). Drained updates release
+        nothing: an engine there also idles while its prompts wait for weights. Releases again only after every
+        engine has run and gone idle since."""
+        if not self.link.actor_ranks:  # colocated: the engine loop runs in this process, and says nothing
+            return
+        got = self._take_waiting(None, "train")
+        if got:
+            self.score(got, self.ahead_counts)
+            self.surplus.extend(got)
+        idle = dict(self.link.idle)
+        if len(idle) < len(self.link.actor_ranks) or min(idle.values()) <= self.released_at:
+            return
+        steps = engines_version + self.args.async_steps - version  # the coming steps these weights may feed
+        useful = sum(filter_reason(g["rewards"]) is None for g in self.surplus)
+        missing = steps * self.args.num_unique_prompts_per_step - useful
+        if missing > 0:
+            self.dispatcher.release_gated(missing)
+            self.released_at = max(idle.values())
 
     def next_batch(self, version: int) -> tuple[list[dict], Counter, list[float]]:
         """One step's groups (Olmo 3 sec 4.4: active sampling until num_unique_prompts_per_step groups
         with gradient), after the off-policy filter and scoring. Returns them, the step's counts, and the
         rewards of every group the step consumed, kept or filtered (the policy's solve rate)."""
-        args, counts, pulled = self.args, Counter(), []
+        args, counts, pulled = self.args, self.ahead_counts, []
+        self.ahead_counts = Counter()
 
         def pull_scored():
             if self.surplus:  # pulled and scored last step, beyond that step's batch
@@ -2518,17 +2590,24 @@ def trained_tokens(row: dict) -> int:
     return len(row["response_ids"]) if mask is None else sum(mask)
 
 
-def train_on(policy: Policy, minibatches: list[tuple], args: Args, num_learners: int) -> tuple[Counter, list, int]:
+def train_on(policy: Policy, minibatches: list[tuple], args: Args, num_learners: int,
+             look_ahead=None) -> tuple[Counter, list, int]:
     """This learner's share of one step: for each epoch and minibatch, the loss over its forward passes,
     backward, clip, an optimizer step. `minibatches`: [(collated forwards, minibatch tokens on all
-    learners)]. Returns the loss stats (sums), the grad norms and the real tokens trained here."""
+    learners)]. Returns the loss stats (sums), the grad norms and the real tokens trained here. Before each
+    forward pass: `look_ahead()` (learner 0: Rollouts.look_ahead), and the cores to compute on (IdleCores)."""
     model, autocast = policy.model, policy.autocast
     model.train()
-    cores = policy.idle_cores or IdleCores(None)  # None: this learner's own cores, always
+    lent = policy.idle_cores or IdleCores(None)  # None: this learner's own cores, always
+
+    def between_passes():
+        if look_ahead is not None:
+            look_ahead()
+        lent.adjust()
     with torch.no_grad(), autocast:  # the logprobs a reused batch is clipped against, and the reference's
         for forwards, _ in minibatches:
             for b in forwards:
-                cores.adjust()
+                between_passes()
                 if args.num_mini_batches > 1 or args.num_epochs > 1:
                     b["old_logprobs"] = token_logprobs(model, b, args.temperature)[0]
                 if policy.ref_model is not None:
@@ -2537,7 +2616,7 @@ def train_on(policy: Policy, minibatches: list[tuple], args: Args, num_learners:
     for _ in range(args.num_epochs):
         for forwards, num_tokens in minibatches:
             for b in forwards:
-                cores.adjust()
+                between_passes()
                 with autocast:
                     new_lp, entropy = token_logprobs(model, b, args.temperature, with_entropy=True)
                 dev = new_lp.device
@@ -2556,7 +2635,7 @@ def train_on(policy: Policy, minibatches: list[tuple], args: Args, num_learners:
             policy.optimizer.step()
             policy.scheduler.step()
             policy.optimizer.zero_grad(set_to_none=True)
-    agg["lent_core_s"] += cores.restore()
+    agg["lent_core_s"] += lent.restore()
     return agg, grad_norms, learner_tokens
 
 

@@ -620,6 +620,61 @@ def test_rollouts_a_step_takes_the_surplus_first_then_pulls():
     assert scored == [0, 1, 0, 0, 1, 0] and dispatcher.done == 5 and rollouts.surplus == []
 
 
+def test_look_ahead_releases_what_the_next_step_will_miss_once_the_engines_are_idle():
+    """Rollouts.look_ahead, between the learner's passes: the groups that arrive while it trains are scored and kept
+    for the next step; once every engine says it has nothing to run and they hold fewer groups with gradient than a
+    step takes, the dispatcher releases that many of the prompts its gate holds, the first ones, once each time the
+    engines go idle. The next step trains on them, and counts what scoring them counted."""
+    rollouts, link, dispatcher = _rollouts()
+    link.actor_ranks = [1]  # an actor rank (torchrun), its messages put on the queue by the test
+    dispatcher.start()
+    inbox = link.local.inbox
+
+    def sent(n):  # the next n prompts, and release indices, the dispatcher sends
+        out, deadline = [], time.time() + 10
+        while len(out) < n:
+            assert time.time() < deadline, out
+            with contextlib.suppress(queue.Empty):
+                out += inbox.get(timeout=0.1)
+        return [(p["index"], p["min_version"]) if "index" in p else ("release", p["release"]) for p in out]
+
+    def idle(said):
+        link.on_idle(1, {"idle": said, "cores": None, "host": "elsewhere"})
+
+    try:
+        assert sent(4) == [(0, 0), (1, 0), (2, 0), (3, 0)]  # steps 0 and 1 (async_steps 1): no gate
+        for m in (_group(0, [0, 1]), _group(1, [1, 0])):
+            link.results.put(m)
+        assert [g["id"] for g in rollouts.next_batch(version=0)[0]] == [0, 1]
+        assert sent(2) == [(4, 1), (5, 1)]  # step 2's: gated until version 1
+        # the learner trains step 0; step 1's groups arrive, one all solved
+        for m in (_group(2, [1, 1]), _group(3, [0, 1])):
+            link.results.put(m)
+        rollouts.look_ahead(0, 0)
+        assert [g["id"] for g in rollouts.surplus] == [2, 3] and dispatcher.release == -1  # the engine still runs
+        idle(True)
+        rollouts.look_ahead(1, 0)  # engines a version behind (drained updates): their samples may feed no later step
+        assert dispatcher.release == -1
+        rollouts.look_ahead(0, 0)  # one group with gradient of the two a step needs: release one prompt, the first gated
+        assert sent(1) == [("release", 5)]
+        rollouts.look_ahead(0, 0)
+        assert dispatcher.release == 5  # once per idle
+        link.results.put(_group(4, [0, 0]))  # the released one runs, and is filtered
+        idle(False)
+        idle(True)
+        rollouts.look_ahead(0, 0)
+        assert sent(1) == [("release", 6)]
+        link.results.put(_group(5, [1, 0]))
+        dispatcher.begin_step(1)
+        batch, counts, scored = rollouts.next_batch(version=1)
+        assert [g["id"] for g in batch] == [3, 5] and rollouts.surplus == []
+        assert counts["prompts"] == 4 and counts["all_solved"] == 1 and counts["all_failed"] == 1
+        assert counts["samples_verified"] == 8  # scored ahead (2, 3, 4) and now (5): all this step's
+    finally:
+        dispatcher.stop.set()
+        dispatcher.join(timeout=5)
+
+
 def test_rollouts_stop_on_actor_errors_timeouts_and_failing_infrastructure():
     """A silent actor is a timeout that names who it waited on, an actor's error an exception, and three steps
     in a row that mostly dropped their samples stop the run."""
