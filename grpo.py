@@ -230,13 +230,16 @@ class Args:
     # Without it vLLM's engine process busy-polls its worker and starves the learner of a core
     cpu_affinity: bool = field(default=True, metadata={
         "help": "CPU only: give each rank on a node its own share of the cores."})
-    # Without it, the last groups of a step often waited behind the gate until the learner had finished (look_ahead)
-    release_ahead: bool = field(default=True, metadata={
-        "help": "torchrun, inflight updates: once the engines have nothing to run while the learner trains, start now "
-                "the gated prompts the coming steps will still miss (within the off-policy bound)."})
-    # One learner pinned beside its actors on 2 cores (SmolLM2-135M): it trains about 60% faster on both, and the
-    # actor sits idle for over half of each step waiting on the off-policy bound (IdleCores)
-    lend_idle_cores: bool = field(default=True, metadata={
+    # Off: on 2 cores (SmolLM2-135M, --async_steps 1) it removed the learner's waits for the last groups of a step
+    # (22 s a step to 0) for 1.27x the completions/s, but 39% of the trained tokens were 2 versions old, against 14%
+    # without it (Rollouts.look_ahead)
+    release_ahead: bool = field(default=False, metadata={
+        "help": "torchrun, inflight updates: once the engines have nothing to run while the learner trains, start "
+                "now the gated prompts the coming steps will still miss (no waits; more samples older than "
+                "async_steps)."})
+    # Off: on 2 cores (SmolLM2-135M) the learner trained 2-8% faster with it alone, and 10-20% slower beside
+    # --release_ahead, whose released prompts wake the engine while the learner still computes on its core (IdleCores)
+    lend_idle_cores: bool = field(default=False, metadata={
         "help": "CPU, pinned, one learner: it also computes on an actor's cores while that engine has nothing to run."})
     # On a node, torchrun --nproc-per-node = its learners + its engines; it needs learners + engines x this GPUs
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (tensor parallel)."})
@@ -1133,7 +1136,8 @@ def run_actor_rank(args: Args, rank: int, learner0: int, groups: dict, device: s
     # Learner 0 hears when the engine has nothing to run: it releases gated prompts the next step will miss
     # (Rollouts.look_ahead), and on CPU computes on this rank's cores meanwhile (IdleCores)
     lent, host = (cores if args.lend_idle_cores else None), socket.gethostname()
-    actor.on_idle = lambda idle: outbox.put({"idle": idle, "rank": rank, "cores": lent, "host": host})
+    if args.release_ahead or args.lend_idle_cores:
+        actor.on_idle = lambda idle: outbox.put({"idle": idle, "rank": rank, "cores": lent, "host": host})
     # The engine is up: say so, then join learner 0's weight stream with its first call. Learner 0 opens the
     # stream's rendezvous only once every engine said so (WeightClient.wait_for_engines), so no engine's start time
     # counts against vLLM's fixed store limit.
@@ -2479,11 +2483,12 @@ class Rollouts:
         that many of the prompts the gate holds, so they run now instead of after the learner's step. Measured
         without it (SmolLM2-135M, 8 prompts a step, about 60% of them useful): in a third of the steps the last
         groups were behind the gate when the learner finished, and it waited 28-35 s for a whole generation of them.
-        The bound: the engines hold `engines_version`, whose samples may train up to step engines_version +
-        async_steps; with fewer useful groups than those steps take, the first short one among them trains on the
-        released prompts (a group a step leaves over waits for the next, as any surplus). Drained updates release
-        nothing: an engine there also idles while its prompts wait for weights. Releases again only after every
-        engine has run and gone idle since."""
+        The engines hold `engines_version`, whose samples may train up to step engines_version + async_steps; with
+        fewer useful groups than those steps take, the first short one among them should train on the released
+        prompts. Measured, more groups outlive the bound with it: a group a step leaves over waits for the next, one
+        version older (39% of the trained tokens were 2 versions old with --async_steps 1, against 14% without), hence
+        off by default (--release_ahead). Drained updates release nothing: an engine there also idles while its
+        prompts wait for weights. Releases again only after every engine has run and gone idle since."""
         if not self.link.actor_ranks:  # colocated: the engine loop runs in this process, and says nothing
             return
         got = self._take_waiting(None, "train")
@@ -3493,7 +3498,8 @@ class IdleCores:
     generated the next step's samples in 27-50 s, then waited on the off-policy bound (--async_steps); alone, the
     learner trained 98 tokens/s on one core and 142-170 on two. The learner adjusts before each forward pass (a
     pass is 1.5-4 s here), so an engine that starts again shares its core with the learner for at most one pass.
-    Learner 0 hears the actors' idle and busy messages (Actor._say_idle) in `link`; None: never lends."""
+    Learner 0 hears the actors' idle and busy messages (Actor._say_idle) in `link`; None: never lends. Off by default
+    (--lend_idle_cores): in RL the learner gained 2-8% tokens/s with it, and lost 10-20% beside --release_ahead."""
 
     def __init__(self, link: "Link | None"):
         self.link = link

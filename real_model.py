@@ -750,10 +750,10 @@ def trl_grpo(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, promp
 
 def grpo_speed(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, prompts_per_step: int = 8,
                num_samples: int = 4, max_tokens: int = 192, learning_rate: float = 2e-5, seed: int = 0,
-               plain: bool = False) -> dict:
+               release_ahead: bool = False) -> dict:
     """grpo.py on the settings of trl_grpo, as demo_real.sh runs it (torchrun: 1 learner rank + 1 vLLM actor rank,
-    one core each, bf16, eager), no held-out evaluation; `plain`: with --lend_idle_cores false --release_ahead false
-    (the learner on its own core only, gated prompts released only once the learner needs them). completions/s: every completion the actor generated and the verifier scored, over
+    one core each, bf16, eager), no held-out evaluation; `release_ahead`: with --release_ahead (learner 0 releases
+    gated prompts the coming steps lack while it trains). completions/s: every completion the actor generated and the verifier scored, over
     the steps after the first; trained_with_signal: the samples of groups whose rewards differ (active sampling trains
     only those; the others carry no GRPO gradient)."""
     from toy import read_metrics
@@ -765,8 +765,7 @@ def grpo_speed(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, pro
                     "--max_num_seqs", "32", "--logging_steps", "1", "--seed", str(seed), "--num_training_steps",
                     str(steps), "--num_unique_prompts_per_step", str(prompts_per_step), "--num_samples_per_prompt",
                     str(num_samples), "--max_response_length", str(max_tokens), "--enforce_eager", "--bf16", "true",
-                    "--save_steps", "0", "--lend_idle_cores", str(not plain).lower(), "--release_ahead",
-                    str(not plain).lower()], check=True,
+                    "--save_steps", "0", "--release_ahead", str(release_ahead).lower()], check=True,
                    cwd=os.path.dirname(os.path.abspath(__file__)),
                    env={**os.environ, "OMP_NUM_THREADS": "1"})  # grpo.py gives each rank its core
     rows = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if r.get("kind") == "train"]
@@ -784,12 +783,12 @@ def grpo_speed(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, pro
             / max(sum(r["time/train"] for r in timed), 1e-9)}
 
 
-def compare_trl(model_dir: str, rlvr_path: str, out_dir: str, trl_micro_batch: int = 8, plain_too: bool = False,
+def compare_trl(model_dir: str, rlvr_path: str, out_dir: str, trl_micro_batch: int = 8, look_ahead_too: bool = False,
                 **settings) -> str:
     """Item 5's side by side: TRL's GRPOTrainer (trl_grpo, in a process of its own, micro-batches of
     `trl_micro_batch` completions: 0.42 completions/s here against 0.35 with the step's 32 in one) then grpo.py
     (grpo_speed), the same model, prompts, reward, samples and lengths, one after the other on the same machine;
-    `plain_too`: then grpo.py again without lending idle cores or releasing prompts ahead (grpo_speed's `plain`)."""
+    `look_ahead_too`: then grpo.py again with --release_ahead (grpo_speed's `release_ahead`)."""
     os.makedirs(out_dir, exist_ok=True)
     trl_json = os.path.join(out_dir, "trl.json")
     subprocess.run([sys.executable, os.path.abspath(__file__), "trl", model_dir, rlvr_path,
@@ -801,19 +800,19 @@ def compare_trl(model_dir: str, rlvr_path: str, out_dir: str, trl_micro_batch: i
     ours = grpo_speed(model_dir, rlvr_path, os.path.join(out_dir, "grpo"), **settings)
     with open(os.path.join(out_dir, "grpo.json"), "w") as f:
         json.dump(ours, f, indent=1)
-    plain = None
-    if plain_too:
-        plain = grpo_speed(model_dir, rlvr_path, os.path.join(out_dir, "grpo_plain"), plain=True, **settings)
-        with open(os.path.join(out_dir, "grpo_plain.json"), "w") as f:
-            json.dump(plain, f, indent=1)
-    return trl_table(theirs, ours, plain)
+    ahead = None
+    if look_ahead_too:
+        ahead = grpo_speed(model_dir, rlvr_path, os.path.join(out_dir, "grpo_ahead"), release_ahead=True, **settings)
+        with open(os.path.join(out_dir, "grpo_ahead.json"), "w") as f:
+            json.dump(ahead, f, indent=1)
+    return trl_table(theirs, ours, ahead)
 
 
-def trl_table(theirs: dict, ours: dict, plain: dict | None = None) -> str:
+def trl_table(theirs: dict, ours: dict, ahead: dict | None = None) -> str:
     """compare_trl's figures side by side, and grpo.py's over TRL's."""
     rows = [(f"TRL {theirs['trl']} (vLLM colocated)", theirs), ("grpo.py (1 + 1 ranks)", ours)]
-    if plain:
-        rows.append(("grpo.py, plain", plain))
+    if ahead:
+        rows.append(("grpo.py --release_ahead", ahead))
     lines = [f"{'':<28} {'completions/s':>13} {'tokens/s':>9} {'with signal/s':>13} {'mean tokens':>11} {'seconds':>8}"
              f" {'learner tok/s':>13} {'on lent cores':>13} {'data wait/step':>14}"]
     for name, r in rows:
@@ -894,8 +893,8 @@ def main():
         p.add_argument("--trl_micro_batch", type=int, default=8,
                        help="TRL trains each step's completions in micro-batches of this many (0: all in one)")
         if name == "vs_trl":
-            p.add_argument("--plain_too", action="store_true",
-                           help="then grpo.py again with --lend_idle_cores false --release_ahead false: what they gain")
+            p.add_argument("--look_ahead_too", action="store_true",
+                           help="then grpo.py again with --release_ahead: what releasing gated prompts ahead gains")
         if name == "trl":
             p.add_argument("--json", required=True, help="write the figures here")
     p = sub.add_parser("report", help="the stages' table from their eval summaries")
@@ -940,7 +939,7 @@ def main():
                 json.dump(trl_grpo(args.model_dir, args.rlvr_path, args.out_dir, micro_batch=args.trl_micro_batch,
                                    **settings), f, indent=1)
         else:
-            print(compare_trl(args.model_dir, args.rlvr_path, args.out_dir, args.trl_micro_batch, args.plain_too,
+            print(compare_trl(args.model_dir, args.rlvr_path, args.out_dir, args.trl_micro_batch, args.look_ahead_too,
                               **settings))
     elif args.cmd == "report":
         print("\n" + report(dict(s.split("=", 1) for s in args.stage), args.out_dir, args.rl_metrics) + "\n")

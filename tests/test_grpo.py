@@ -1596,8 +1596,7 @@ def test_drained_updates_stream_when_an_engine_needs_them(toy_model_dir, toy_dat
     _, cmd = _grpo_cmd(toy_model_dir, toy_data_dir, out, "--num_training_steps", str(steps), "--eval_every",
                        str(steps), "--dataset_mixer_list", str(data), "1.0", "--inflight_updates", "false",
                        "--async_steps", str(bound), "--num_unique_prompts_per_step", "2", "--num_learners", "1",
-                       "--num_samples_per_prompt", "4", "--learning_rate", "1e-5", "--pack_length", "1024",
-                       "--lend_idle_cores", "false")  # faster on lent cores, the learner made the engine ask at every step
+                       "--num_samples_per_prompt", "4", "--learning_rate", "1e-5", "--pack_length", "1024")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", *cmd],
                    cwd=REPO, check=True, timeout=600)
     train = [r for r in _metrics(out) if "rollout/groups" in r]
