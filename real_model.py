@@ -753,9 +753,10 @@ def grpo_speed(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, pro
                release_ahead: bool = False) -> dict:
     """grpo.py on the settings of trl_grpo, as demo_real.sh runs it (torchrun: 1 learner rank + 1 vLLM actor rank,
     one core each, bf16, eager), no held-out evaluation; `release_ahead`: with --release_ahead (learner 0 releases
-    gated prompts the coming steps lack while it trains). completions/s: every completion the actor generated and the verifier scored, over
-    the steps after the first; trained_with_signal: the samples of groups whose rewards differ (active sampling trains
-    only those; the others carry no GRPO gradient)."""
+    gated prompts the coming steps lack while it trains). completions/s: every completion the actor generated and the
+    verifier scored, over the steps after the first; trained_with_signal: the samples of groups whose rewards differ
+    (active sampling trains only those; the others carry no GRPO gradient); beyond_bound: the steps' mean share of
+    trained tokens more than --async_steps (1) versions old."""
     from toy import read_metrics
 
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py",
@@ -779,8 +780,7 @@ def grpo_speed(model_dir: str, rlvr_path: str, out_dir: str, steps: int = 6, pro
             / max(sum(r["time/train"] for r in timed), 1e-9),
             "train_s_per_step": sum(r["time/train"] for r in timed) / len(timed),
             "data_wait_s_per_step": sum(r["time/data_wait"] for r in timed) / len(timed),
-            "share_on_lent_cores": sum(r.get("time/train_on_lent_cores", 0.0) for r in timed)
-            / max(sum(r["time/train"] for r in timed), 1e-9)}
+            "beyond_bound": sum(r.get("rollout/lag_frac_gt1", 0.0) for r in timed) / len(timed)}
 
 
 def compare_trl(model_dir: str, rlvr_path: str, out_dir: str, trl_micro_batch: int = 8, look_ahead_too: bool = False,
@@ -814,10 +814,10 @@ def trl_table(theirs: dict, ours: dict, ahead: dict | None = None) -> str:
     if ahead:
         rows.append(("grpo.py --release_ahead", ahead))
     lines = [f"{'':<28} {'completions/s':>13} {'tokens/s':>9} {'with signal/s':>13} {'mean tokens':>11} {'seconds':>8}"
-             f" {'learner tok/s':>13} {'on lent cores':>13} {'data wait/step':>14}"]
+             f" {'learner tok/s':>13} {'data wait/step':>14} {'beyond bound':>12}"]
     for name, r in rows:
-        learner = (f" {r['learner_tokens_per_s']:>13.0f} {r['share_on_lent_cores']:>13.0%} "
-                   f"{r['data_wait_s_per_step']:>13.1f}s" if "learner_tokens_per_s" in r else "")
+        learner = (f" {r['learner_tokens_per_s']:>13.0f} {r['data_wait_s_per_step']:>13.1f}s "
+                   f"{r['beyond_bound']:>12.0%}" if "learner_tokens_per_s" in r else "")
         lines.append(f"{name:<28} {r['completions_per_s']:>13.2f} {generated_tokens_per_s(r):>9.1f} "
                      f"{r['trained_with_signal_per_s']:>13.2f} {r['mean_completion_tokens']:>11.0f} "
                      f"{r['seconds']:>8.0f}{learner}")

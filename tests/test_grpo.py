@@ -655,7 +655,7 @@ def test_look_ahead_releases_what_the_next_step_will_miss_once_the_engines_are_i
         idle(True)
         rollouts.look_ahead(1, 0)  # engines a version behind (drained updates): their samples may feed no later step
         assert dispatcher.release == -1
-        rollouts.look_ahead(0, 0)  # one group with gradient of the two a step needs: release one prompt, the first gated
+        rollouts.look_ahead(0, 0)  # one group with gradient of the two a step needs: release the first gated prompt
         assert sent(1) == [("release", 5)]
         rollouts.look_ahead(0, 0)
         assert dispatcher.release == 5  # once per idle
