@@ -1429,8 +1429,7 @@ class Dispatcher(threading.Thread):
         """Let the first n prompts the gate still holds start now (Rollouts.look_ahead): release past them, or past
         prompts not sent yet when the gate holds fewer."""
         with self.cond:
-            self.labels = {i: v for i, v in self.labels.items() if i >= self.done}
-            gated = sorted(i for i, v in self.labels.items() if v > self.version and i >= self.release)
+            gated = sorted(i for i, v in self.labels.items() if v > self.version and i >= max(self.release, self.done))
             release = gated[n - 1] + 1 if len(gated) >= n else max(self.position, self.release) + n - len(gated)
             if release > self.release:
                 self.release = release
@@ -1439,6 +1438,7 @@ class Dispatcher(threading.Thread):
     def begin_step(self, version: int):
         """The learner starts training on `version` (its weights are on their way to the actors)."""
         with self.cond:
+            self.labels = {i: v for i, v in self.labels.items() if i >= self.done}  # consumed: no longer gated
             self.version, self.need = version, self.args.num_unique_prompts_per_step
             # this step's own prompts may start on any weights the engines hold: these are at most
             # async_steps versions old (stream_now), and a gate that lets none through would stall the step

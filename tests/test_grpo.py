@@ -666,6 +666,7 @@ def test_look_ahead_releases_what_the_next_step_will_miss_once_the_engines_are_i
         assert sent(1) == [("release", 6)]
         link.results.put(_group(5, [1, 0]))
         dispatcher.begin_step(1)
+        assert min(dispatcher.labels) == 2  # the labels of consumed prompts are dropped: they stay bounded
         batch, counts, scored = rollouts.next_batch(version=1)
         assert [g["id"] for g in batch] == [3, 5] and rollouts.surplus == []
         assert counts["prompts"] == 4 and counts["all_solved"] == 1 and counts["all_failed"] == 1
